@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each prints one JSON object as its last line."""

@@ -1,0 +1,1 @@
+"""The central kvmesh service: global prefix index, wire protocol, server, Ray actor."""

@@ -1,0 +1,1 @@
+"""Launching kvmesh on Ray, the typed configuration and the `kvmesh` command line."""

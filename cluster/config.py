@@ -1,0 +1,142 @@
+"""Typed kvmesh configuration: frozen dataclasses loaded from YAML.
+
+Every section is a frozen dataclass that validates itself in `__post_init__`; the loader
+maps YAML keys onto fields and rejects any key it does not know, naming it with its path
+(`cache.page_tokn`), so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workers.page_store import StoreLayout
+from workers.prefix_cache import PrefixCacheConfig
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model whose KV the pages hold; its shape fixes the page layout."""
+
+    name: str = "smollm2-135m"
+    # SmolLM2-135M: 30 layers, 3 KV heads (grouped-query attention), head dim 64.
+    num_layers: int = 30
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    # fp32 on CPU: the correctness checks compare logits at 1e-4.
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not self.name:
+            raise ConfigError("model.name must not be empty")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The worker's page store."""
+
+    # 2,048 pages of 16 tokens = 32,768 tokens; for SmolLM2 in fp32 a page is 720 KiB,
+    # so the store takes 1.4 GiB of shared memory per worker.
+    num_pages: int = 2048
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_pages <= 0:
+            raise ConfigError(f"store.num_pages must be positive, got {self.num_pages}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"store.dtype must be float32, float16 or bfloat16: {self.dtype!r}")
+        if not self.device:
+            raise ConfigError("store.device must not be empty")
+
+
+@dataclass(frozen=True)
+class KvmeshConfig:
+    """The whole configuration, one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def store_layout(self) -> StoreLayout:
+        """The page store layout these sections describe."""
+        return StoreLayout(
+            num_pages=self.store.num_pages,
+            num_layers=self.model.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            page_tokens=self.cache.page_tokens,
+            head_dim=self.model.head_dim,
+            dtype=self.store.dtype,
+        )
+
+
+def load_config(path: str | Path) -> KvmeshConfig:
+    """Read a YAML file into a KvmeshConfig.
+
+    Raises:
+        ConfigError: unreadable YAML, an unknown key, a wrong type or an invalid value;
+            the message names the file and the key.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    try:
+        return config_from_dict({} if data is None else data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def config_from_dict(data: Any) -> KvmeshConfig:
+    """Build a KvmeshConfig from a mapping (e.g. parsed YAML); see `load_config`."""
+    return _build(KvmeshConfig, data, "")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields), key=str)
+    if unknown:
+        path = f"{where}.{unknown[0]}" if where else str(unknown[0])
+        raise ConfigError(f"unknown key {path!r}; known: {', '.join(sorted(fields))}")
+    values = {}
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        values[name] = _convert(hints[name], value, key)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from exc
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return None
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind in (int, str, bool) and type(value) is kind:
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise ConfigError(f"{key} must be {names}, got {value!r}")

@@ -1,0 +1,713 @@
+"""The global prefix index: events, liveness, matching, statistics, routing, memory."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_service.events import AllCleared, Namespace, PagesRemoved, PagesStored
+from cache_service.index import (
+    ApplyResult,
+    GlobalIndex,
+    Holder,
+    MatchResult,
+    PageMatch,
+    Registration,
+    RouteDecision,
+    WorkerInfo,
+    measure_bytes_per_page,
+    pack_tokens,
+)
+
+P = 4  # tokens per page in these tests
+NS = Namespace("smollm2-135m", "", "tenant-a")
+
+
+def make_index(*workers: str, now: float = 0.0, **kwargs) -> GlobalIndex:
+    index = GlobalIndex(page_tokens=P, **kwargs)
+    for worker in workers:
+        index.register(worker, epoch=1, node_id="node0", now=now)
+    return index
+
+
+def page(i: int) -> tuple[int, ...]:
+    """The tokens of a distinct page, numbered i."""
+    return tuple(range(100 * i, 100 * i + P))
+
+
+def make_tokens(*pages: int, tail: int = 0) -> list[int]:
+    """Pages back to back, then `tail` tokens of a partial page."""
+    tokens = [t for i in pages for t in page(i)]
+    return tokens + [9_999] * tail
+
+
+def stored(
+    page_ids: tuple[int, ...],
+    pages: tuple[int, ...],
+    parent: int | None = None,
+    namespace: Namespace = NS,
+    generations: tuple[int, ...] | None = None,
+) -> PagesStored:
+    generations = (0,) * len(page_ids) if generations is None else generations
+    return PagesStored(namespace, parent, page_ids, generations, tuple(make_tokens(*pages)))
+
+
+def holders(result: MatchResult) -> list[list[tuple[str, int]]]:
+    """Per matched page, its holders as (worker, page id)."""
+    return [[(h.worker_id, h.page_id) for h in p.holders] for p in result.pages]
+
+
+def apply_ok(index: GlobalIndex, worker: str, seq: int, *events, epoch: int = 1) -> None:
+    result = index.apply_events(worker, epoch, seq, list(events))
+    assert result == ApplyResult(True, False, "applied", seq)
+
+
+# ---- storing and matching ----------------------------------------------------------------
+
+
+def test_match_lists_every_page_with_its_holders():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((10, 11, 12), (1, 2, 3), generations=(5, 6, 7)))
+    apply_ok(index, "b", 1, stored((3, 4), (1, 2)))
+
+    result = index.match(NS, make_tokens(1, 2, 3, 4, tail=2))
+
+    assert result == MatchResult(
+        12,
+        (
+            PageMatch((Holder("a", 10, 5, "cpu"), Holder("b", 3, 0, "cpu"))),
+            PageMatch((Holder("a", 11, 6, "cpu"), Holder("b", 4, 0, "cpu"))),
+            PageMatch((Holder("a", 12, 7, "cpu"),)),
+        ),
+    )
+    assert index.num_pages == 3
+    index.check_integrity()
+
+
+def test_tier_comes_from_registration():
+    index = GlobalIndex(page_tokens=P)
+    index.register("g", epoch=1, node_id="node0", tier="gpu", now=0.0)
+    apply_ok(index, "g", 1, stored((0,), (1,)))
+    assert index.match(NS, make_tokens(1)).pages[0].holders == (Holder("g", 0, 0, "gpu"),)
+    index.check_integrity()
+
+
+def test_match_compares_every_token():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    tokens = make_tokens(1, 2)
+    tokens[-1] += 1  # the last token of page 2 differs
+
+    assert index.match(NS, tokens).matched_tokens == P
+    assert index.match(NS, make_tokens(2, 1)).matched_tokens == 0
+    assert index.match(NS, make_tokens(1, 2)[: 2 * P - 1]).matched_tokens == P  # partial page
+    index.check_integrity()
+
+
+def test_bytes_and_lists_match_alike():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    tokens = make_tokens(1, 2, tail=3)
+    as_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
+
+    assert pack_tokens(tokens) == as_bytes
+    assert pack_tokens(np.array(tokens, dtype=np.int64)) == as_bytes
+    expected = index.match(NS, tokens)
+    assert expected.matched_tokens == 2 * P
+    assert index.match(NS, as_bytes) == expected
+    assert index.match(NS, np.array(tokens)) == expected
+    index.check_integrity()
+
+
+def test_bad_tokens_raise_and_change_nothing():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    before = index.stats()
+
+    with pytest.raises(ValueError, match="7 bytes, not a multiple of 4"):
+        index.match(NS, b"\x00" * 7)
+    with pytest.raises(ValueError, match=r"int32.*\[0, 2147483648\]"):
+        index.match(NS, [0, 2**31])
+    with pytest.raises(ValueError, match="must be ints"):
+        index.match(NS, [1.5])
+    with pytest.raises(TypeError, match="Namespace"):
+        index.match(("smollm2-135m", "", "tenant-a"), [1, 2])  # type: ignore[arg-type]
+    assert index.stats() == before
+    index.check_integrity()
+
+
+def test_malformed_events_raise_and_change_nothing():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    bad = [
+        (PagesStored(NS, None, (1, 2), (0,), make_tokens(2, 3)), "1 generations for 2 pages"),
+        (PagesStored(NS, None, (1,), (0,), (1, 2, 3)), "3 tokens for 1 pages of 4"),
+        (PagesStored(NS, None, (1, 1), (0, 0), make_tokens(2, 3)), "repeats"),
+        (PagesStored(NS, None, (-1,), (0,), make_tokens(2)), "page ids must be ints"),
+        (PagesStored(NS, None, (1,), (0,), (0, 0, 0, 2**31)), "int32"),
+        (PagesRemoved((0,), "bored"), "removal reason 'bored'"),
+        ("not an event", "unknown event type str"),
+    ]
+    for event, message in bad:
+        # A valid event first: a batch with a bad event applies none of its events.
+        with pytest.raises(ValueError, match=message):
+            index.apply_events("a", 1, 2, [PagesRemoved((0,), "evicted"), event])
+    assert index.match(NS, make_tokens(1)).matched_tokens == P
+    apply_ok(index, "a", 2, stored((1,), (2,), parent=0))  # seq 2 was never consumed
+    index.check_integrity()
+
+
+# ---- idempotence, sequence numbers, resync ------------------------------------------------
+
+
+def test_same_batch_twice_is_a_duplicate():
+    index = make_index("a")
+    batch = [stored((0, 1), (1, 2))]
+    apply_ok(index, "a", 1, *batch)
+    assert index.apply_events("a", 1, 1, batch) == ApplyResult(False, False, "duplicate", 1)
+    assert index.apply_events("a", 1, 0, batch) == ApplyResult(False, False, "stale", 1)
+    assert index.stats()["events"]["duplicates"] == 2
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    index.check_integrity()
+
+
+def test_same_event_twice_is_idempotent():
+    index = make_index("a")
+    event = stored((0, 1), (1, 2))
+    apply_ok(index, "a", 1, event, event)
+    apply_ok(index, "a", 2, event)
+    assert index.num_pages == 2
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+
+    removal = PagesRemoved((1,), "evicted")
+    apply_ok(index, "a", 3, removal, removal, PagesRemoved((77,), "evicted"))
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)]]
+    assert index.num_pages == 1
+    index.check_integrity()
+
+
+def test_restore_refreshes_the_generation():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,), generations=(3,)))
+    apply_ok(index, "a", 2, stored((0,), (1,), generations=(4,)))
+    assert index.match(NS, make_tokens(1)).pages[0].holders == (Holder("a", 0, 4, "cpu"),)
+    index.check_integrity()
+
+
+def test_gap_needs_resync_and_resync_restores():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "b", 1, stored((5,), (1,)))
+
+    assert index.apply_events("a", 1, 3, [stored((2,), (3,), parent=1)]) == ApplyResult(
+        False, True, "gap", 1
+    )
+    # Until the resync, even the missing batch is refused: the worker's state is unknown.
+    late = [PagesRemoved((1,), "evicted")]
+    assert index.apply_events("a", 1, 2, late) == ApplyResult(False, True, "awaiting_resync", 1)
+
+    snapshot = [stored((0,), (1,)), stored((2, 3), (3, 4), parent=0)]
+    assert index.resync("a", 1, 3, snapshot) == ApplyResult(True, False, "resynced", 3)
+
+    # The resync re-stores a's pages, so a now comes after b on the shared page.
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 5), ("a", 0)]]
+    assert holders(index.match(NS, make_tokens(1, 3, 4))) == [
+        [("b", 5), ("a", 0)],
+        [("a", 2)],
+        [("a", 3)],
+    ]
+    assert index.num_pages == 3
+    apply_ok(index, "a", 4, PagesRemoved((3,), "evicted"))
+    assert index.stats()["events"] == {
+        "batches": 5,
+        "duplicates": 0,
+        "resyncs_requested": 1,
+        "resyncs": 1,
+    }
+    index.check_integrity()
+
+
+def test_unknown_parent_needs_resync():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    result = index.apply_events("a", 1, 2, [stored((1,), (2,), parent=42)])
+    assert result == ApplyResult(False, True, "unknown_parent", 1)
+    assert index.num_pages == 1
+    index.check_integrity()
+
+
+def test_unknown_worker_and_epoch_need_resync():
+    index = make_index("a")
+    batch = [stored((0,), (1,))]
+    assert index.apply_events("z", 1, 1, batch) == ApplyResult(False, True, "unknown_worker", 0)
+    assert index.apply_events("a", 2, 1, batch) == ApplyResult(False, True, "epoch_mismatch", 0)
+    assert index.resync("z", 1, 1, batch) == ApplyResult(False, True, "unknown_worker", 0)
+    assert index.num_pages == 0
+    index.check_integrity()
+
+
+def test_bad_resync_raises_and_changes_nothing():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    with pytest.raises(ValueError, match="parent page 9 is not stored earlier"):
+        index.resync("a", 1, 5, [stored((1,), (2,), parent=9)])
+    with pytest.raises(ValueError, match=r"pages \[1\] listed twice"):
+        index.resync("a", 1, 5, [stored((1,), (2,)), stored((1,), (3,))])
+    with pytest.raises(ValueError, match="not PagesStored"):
+        index.resync("a", 1, 5, [AllCleared()])  # type: ignore[list-item]
+    assert holders(index.match(NS, make_tokens(1))) == [[("a", 0)]]
+    apply_ok(index, "a", 2, AllCleared())
+    index.check_integrity()
+
+
+# ---- removals and page id reuse ---------------------------------------------------------
+
+
+def test_removal_prunes_empty_chains_leaf_up():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
+    apply_ok(index, "b", 1, stored((0,), (1,)))
+    apply_ok(index, "a", 2, PagesRemoved((2, 1), "evicted"))
+    assert index.num_pages == 1
+    apply_ok(index, "a", 3, PagesRemoved((0,), "evicted"))
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)]]
+    apply_ok(index, "b", 2, AllCleared())
+    assert index.num_pages == 0
+    assert index.match(NS, make_tokens(1)) == MatchResult(0, ())
+    index.check_integrity()
+
+
+def test_removing_an_inner_page_drops_the_workers_pages_below_it():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)), stored((3,), (4,), parent=0))
+    apply_ok(index, "b", 1, stored((7, 8), (1, 2)))
+    apply_ok(index, "a", 2, PagesRemoved((1,), "evicted"))
+    # a keeps page 0 and its other child; b still serves pages 1-2; page 3 of a is gone.
+    assert holders(index.match(NS, make_tokens(1, 2, 3))) == [[("a", 0), ("b", 7)], [("b", 8)]]
+    assert holders(index.match(NS, make_tokens(1, 4))) == [[("a", 0), ("b", 7)], [("a", 3)]]
+    assert index.num_pages == 3
+    index.check_integrity()
+
+
+def test_a_reused_page_id_moves_to_its_new_node():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
+    # Page 1 evicted (with page 2 below it) and re-stored under a new prefix.
+    apply_ok(index, "a", 2, PagesRemoved((2, 1), "evicted"), stored((1,), (5,), parent=0))
+    assert holders(index.match(NS, make_tokens(1, 5))) == [[("a", 0)], [("a", 1)]]
+    assert index.match(NS, make_tokens(1, 2)).matched_tokens == P
+    # The removal never arrived: a store at a new place still moves the page.
+    apply_ok(index, "a", 3, stored((1,), (6,)))
+    assert holders(index.match(NS, make_tokens(6))) == [[("a", 1)]]
+    assert index.match(NS, make_tokens(1, 5)).matched_tokens == P
+    assert index.num_pages == 2
+    index.check_integrity()
+
+
+def test_a_reused_page_id_as_its_only_root_child_keeps_the_root():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    apply_ok(index, "a", 2, stored((0,), (2,)))  # page 0 rewritten without a removal
+    assert index.match(NS, make_tokens(1)).matched_tokens == 0
+    assert holders(index.match(NS, make_tokens(2))) == [[("a", 0)]]
+    index.check_integrity()
+
+
+def test_a_page_id_on_its_own_path_is_a_conflict():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    result = index.apply_events("a", 1, 2, [stored((0,), (3,), parent=1)])
+    assert result == ApplyResult(False, True, "page_conflict", 1)
+    assert index.num_pages == 2
+    index.check_integrity()
+
+
+def test_same_prefix_under_a_new_page_id_replaces_the_old_one():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    apply_ok(index, "a", 2, stored((4,), (1,)))
+    assert holders(index.match(NS, make_tokens(1))) == [[("a", 4)]]
+    assert index.stats()["workers"]["a"]["pages"] == 1
+    index.check_integrity()
+
+
+# ---- workers: epochs and liveness --------------------------------------------------------
+
+
+def test_new_epoch_drops_the_old_epochs_holdings():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "b", 1, stored((0,), (1,)))
+
+    assert index.register("a", epoch=1, node_id="node0", now=1.0) == Registration("a", 1, 1, 0)
+    assert index.register("a", epoch=2, node_id="node1", now=2.0) == Registration("a", 2, 0, 2)
+    assert index.worker_info("a") == WorkerInfo("a", 2, "node1", "cpu", 2.0, 0, 0, False)
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)]]
+    assert index.apply_events("a", 1, 2, []) == ApplyResult(False, True, "epoch_mismatch", 0)
+    apply_ok(index, "a", 1, stored((3,), (1,)), epoch=2)
+    assert holders(index.match(NS, make_tokens(1))) == [[("b", 0), ("a", 3)]]
+    with pytest.raises(ValueError, match="epoch 1 is older than the registered 2"):
+        index.register("a", epoch=1, node_id="node0", now=3.0)
+    index.check_integrity()
+
+
+def test_silent_workers_expire_with_all_their_pages():
+    index = make_index("a", "b", now=0.0, liveness_timeout_s=10.0)
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "b", 1, stored((0,), (1,)))
+
+    assert index.heartbeat("a", 1, now=8.0)
+    assert not index.heartbeat("a", 2, now=8.0)  # wrong epoch
+    assert index.expire(now=10.0) == []  # b silent exactly the timeout: not past it
+    assert index.expire(now=10.5) == ["b"]
+    assert index.live_workers() == ["a"]
+    assert index.worker_info("b") is None
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+
+    assert index.expire(now=18.5) == ["a"]
+    assert index.match(NS, make_tokens(1, 2)) == MatchResult(0, ())
+    assert index.num_pages == 0
+    assert not index.heartbeat("a", 1, now=19.0)
+    assert index.apply_events("b", 1, 2, []) == ApplyResult(False, True, "unknown_worker", 0)
+    stats = index.stats()
+    assert stats["workers_live"] == 0
+    assert stats["removed_workers"] == {"expired": 2}
+    index.check_integrity()
+
+
+def test_removed_worker_loses_everything_and_its_slot_is_reused():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "b", 1, stored((0, 1), (1, 2)))
+    assert index.remove_worker("a", "crashed") == 2
+    assert index.remove_worker("a", "crashed") == 0
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)], [("b", 1)]]
+
+    index.register("c", epoch=1, node_id="node0", now=0.0)  # takes a's slot
+    apply_ok(index, "c", 1, stored((4,), (1,)))
+    assert holders(index.match(NS, make_tokens(1))) == [[("b", 0), ("c", 4)]]
+    assert index.stats()["removed_workers"] == {"crashed": 1}
+    index.check_integrity()
+
+
+# ---- tenants and statistics -------------------------------------------------------------
+
+
+def test_tenants_never_share_pages():
+    other = Namespace(NS.model, NS.adapter, "tenant-b")
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+
+    assert index.match(other, make_tokens(1, 2), requester="b") == MatchResult(0, ())
+    apply_ok(index, "b", 1, stored((0,), (1,), namespace=other))
+    assert holders(index.match(other, make_tokens(1, 2))) == [[("b", 0)]]
+    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    assert index.match(Namespace(NS.model, "lora-1", NS.salt), make_tokens(1)).matched_tokens == 0
+
+    tenants = index.stats()["tenants"]
+    assert tenants["tenant-a"]["hit_tokens"] == 2 * P
+    assert tenants["tenant-b"]["hit_tokens"] == P
+    assert tenants["tenant-b"]["miss_tokens"] == 2 * P + P
+    index.check_integrity()
+
+
+def test_local_and_remote_hits_are_counted_per_requester():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
+    apply_ok(index, "b", 1, stored((5,), (1,)))
+
+    index.match(NS, make_tokens(1, 2, 3, 4, tail=2), requester="b")  # 18 tokens
+    index.match(NS, make_tokens(1, 2), requester="a")
+    index.match(NS, make_tokens(7))
+
+    stats = index.stats()
+    assert stats["workers"]["b"] == {
+        "queries": 1,
+        "queried_tokens": 18,
+        "hit_tokens": 12,
+        "local_hit_tokens": 4,
+        "remote_hit_tokens": 8,
+        "miss_tokens": 4,
+        "alignment_lost_tokens": 2,
+        "pages": 1,
+        "live": True,
+    }
+    assert stats["workers"]["a"]["local_hit_tokens"] == 8
+    assert stats["workers"]["a"]["remote_hit_tokens"] == 0
+    assert stats["cluster"] == {
+        "queries": 3,
+        "queried_tokens": 30,
+        "hit_tokens": 20,
+        "local_hit_tokens": 12,
+        "remote_hit_tokens": 8,
+        "miss_tokens": 8,
+        "alignment_lost_tokens": 2,
+    }
+    assert (stats["pages"], stats["holdings"], stats["workers_live"]) == (3, 4, 2)
+    index.check_integrity()
+
+
+def test_alignment_loss_is_the_trailing_partial_page():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    index.match(NS, make_tokens(1, tail=3))  # 1 page hit, 3 tokens lost
+    index.match(NS, [1, 2])  # shorter than a page: all lost
+    cluster = index.stats()["cluster"]
+    assert (cluster["hit_tokens"], cluster["miss_tokens"], cluster["alignment_lost_tokens"]) == (
+        4,
+        0,
+        5,
+    )
+    index.check_integrity()
+
+
+def test_stats_are_plain_data():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    index.match(NS, make_tokens(1), requester="ghost")
+
+    def plain(value) -> bool:
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and plain(v) for k, v in value.items())
+        return type(value) in (int, bool)
+
+    stats = index.stats()
+    assert plain(stats)
+    assert stats["workers"]["ghost"]["live"] is False
+    index.check_integrity()
+
+
+# ---- routing ----------------------------------------------------------------------------
+
+
+def make_routing_index() -> GlobalIndex:
+    """a holds 3 pages of the prompt, b 1, c and d none (c holds an unrelated page)."""
+    index = make_index("a", "b", "c", "d", load_weight=0.5)
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
+    apply_ok(index, "b", 1, stored((0,), (1,)))
+    apply_ok(index, "c", 1, stored((0,), (9,)))
+    return index
+
+
+PROMPT = make_tokens(1, 2, 3, 4)  # 16 tokens
+
+
+def test_route_prefers_the_worker_holding_most():
+    index = make_routing_index()
+    decision = index.route(NS, PROMPT, {"a": 0.5, "b": 0.0, "c": 0.0})
+    assert decision == RouteDecision("a", 12, 12 - 0.5 * 0.5 * 16, "prefix")
+    index.check_integrity()
+
+
+def test_route_weighs_load_against_held_tokens():
+    index = make_routing_index()
+    # a: 12 - 0.5 * 1.0 * 16 = 4 ties b: 4 - 0 = 4, and b is less loaded.
+    assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.0}) == RouteDecision("b", 4, 4.0, "prefix")
+    # b: 4 - 0.5 * 0.25 * 16 = 2 < a: 4.
+    assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.25}) == RouteDecision("a", 12, 4.0, "prefix")
+    # d is idle and holds nothing: 0 beats a: 12 - 0.5 * 2 * 16 = -4 and b: 4 - 8.
+    assert index.route(NS, PROMPT, {"a": 2.0, "b": 1.0, "d": 0.0}) == RouteDecision(
+        "d", 0, 0.0, "least_loaded"
+    )
+    index.check_integrity()
+
+
+def test_route_falls_back_to_the_least_loaded():
+    index = make_routing_index()
+    uncached = make_tokens(7, 8)
+    assert index.route(NS, uncached, {"a": 0.3, "b": 0.2, "c": 0.9}) == RouteDecision(
+        "b", 0, -0.5 * 0.2 * 8, "least_loaded"
+    )
+    # Equal load: the smallest worker id.
+    assert index.route(NS, uncached, {"d": 0.0, "c": 0.0}).worker_id == "c"
+    # Unregistered ids are skipped; none live at all is an ordinary answer.
+    assert index.route(NS, uncached, {"ghost": 0.0, "d": 0.5}).worker_id == "d"
+    assert index.route(NS, uncached, {"ghost": 0.0}) == RouteDecision(
+        None, 0, 0.0, "no_live_worker"
+    )
+    with pytest.raises(ValueError, match="load of worker 'a' must be finite and >= 0: -1"):
+        index.route(NS, uncached, {"a": -1})
+    assert index.stats()["cluster"]["queries"] == 0  # routing is a read
+    index.check_integrity()
+
+
+# ---- integrity and memory ---------------------------------------------------------------
+
+
+def test_check_integrity_catches_a_broken_reverse_map():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    index._workers["a"].pages.pop(1)  # corrupt on purpose
+    with pytest.raises(AssertionError, match=r"1 holders on nodes|page 1"):
+        index.check_integrity()
+
+
+def test_node_ids_are_reused_after_pruning():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "a", 2, AllCleared())
+    allocated = len(index._keys)
+    apply_ok(index, "a", 3, stored((0, 1), (3, 4)))
+    assert len(index._keys) == allocated == 3  # a root and two pages
+    index.check_integrity()
+
+
+def test_memory_per_page_stays_lean():
+    per_page = measure_bytes_per_page(100_000, page_tokens=16)
+    assert 100 < per_page <= 400, f"{per_page:.1f} bytes per page"
+
+
+def test_measure_rejects_no_pages():
+    with pytest.raises(ValueError, match="n_pages must be positive, got 0"):
+        measure_bytes_per_page(0)
+
+
+# ---- property: the index against a reference model ---------------------------------------
+
+WORKERS = ("w0", "w1", "w2")
+NAMESPACES = (Namespace("m", "", "s0"), Namespace("m", "", "s1"))
+POOL = 6  # page ids per worker: small, so ids are reused after evictions
+
+op_strategy = st.tuples(
+    st.sampled_from(
+        ["store", "store", "store", "overwrite", "remove", "clear", "redeliver", "restart"]
+    ),
+    st.integers(0, len(WORKERS) - 1),
+    st.integers(0, 50),
+    st.integers(0, 50),
+    st.lists(st.integers(0, 1), min_size=0, max_size=3 * 2),  # pages of 2 tokens, 0/1 only
+)
+
+
+class Model:
+    """Each worker's published pages: page id -> (namespace, path of page token tuples)."""
+
+    def __init__(self, index: GlobalIndex):
+        self.index = index
+        self.held: dict[str, dict[int, tuple[Namespace, tuple, int]]] = {w: {} for w in WORKERS}
+        self.seq = dict.fromkeys(WORKERS, 0)
+        self.epoch = dict.fromkeys(WORKERS, 1)
+        self.last_batch: dict[str, list] = {w: [] for w in WORKERS}
+        self.generation = 0
+
+    def send(self, worker: str, batch: list) -> None:
+        self.seq[worker] += 1
+        result = self.index.apply_events(worker, self.epoch[worker], self.seq[worker], batch)
+        assert result == ApplyResult(True, False, "applied", self.seq[worker])
+        self.last_batch[worker] = batch
+
+    def store(
+        self, worker: str, a: int, b: int, tokens: list[int], overwrite: bool = False
+    ) -> None:
+        """Publish new pages; with `overwrite`, first reuse a held page id without a removal
+        event, as a worker whose removal got folded into the store would."""
+        namespace = NAMESPACES[a % 2]
+        mine = self.held[worker]
+        reused = sorted(mine)[b % len(mine)] if overwrite and mine else None
+        reused_was = None if reused is None else mine[reused][:2]
+        if reused is not None:
+            self.drop(worker, reused)
+        parents = sorted(p for p, (ns, _, _) in mine.items() if ns == namespace)
+        choice = b % (len(parents) + 1)
+        parent = None if choice == 0 else parents[choice - 1]
+        path = () if parent is None else mine[parent][1]
+        by_path = {held[1]: p for p, held in mine.items() if held[0] == namespace}
+        pages = [tuple(tokens[i : i + 2]) for i in range(0, len(tokens) - 1, 2)]
+        while pages and path + (pages[0],) in by_path:  # already published: extend below it
+            path += (pages.pop(0),)
+            parent = by_path[path]
+        free = [p for p in range(POOL) if p not in mine and p != reused]
+        free = ([] if reused is None else [reused]) + free
+        pages = pages[: len(free)]
+        free = free[: len(pages)]
+        if not pages:
+            if reused is not None:
+                self.send(worker, [PagesRemoved((reused,), "evicted")])
+            return
+        generations = tuple(range(self.generation, self.generation + len(pages)))
+        self.generation += len(pages)
+        for page_id, page_tokens, generation in zip(free, pages, generations, strict=True):
+            path += (page_tokens,)
+            mine[page_id] = (namespace, path, generation)
+        flat = tuple(t for p in pages for t in p)
+        batch: list = [PagesStored(namespace, parent, tuple(free), generations, flat)]
+        if reused is not None and mine[reused][:2] == reused_was:
+            # Re-stored at the very same place: without a removal the index cannot tell
+            # that the pages below it went away.
+            batch.insert(0, PagesRemoved((reused,), "evicted"))
+        self.send(worker, batch)
+
+    def drop(self, worker: str, victim: int) -> None:
+        """Forget a page and the worker's pages below it."""
+        mine = self.held[worker]
+        namespace, path, _ = mine[victim]
+        for page_id, (ns, other, _) in list(mine.items()):
+            if ns == namespace and other[: len(path)] == path:
+                del mine[page_id]
+
+    def remove(self, worker: str, a: int) -> None:
+        mine = self.held[worker]
+        if not mine:
+            return
+        victim = sorted(mine)[a % len(mine)]
+        self.drop(worker, victim)
+        self.send(worker, [PagesRemoved((victim,), "evicted")])
+
+    def clear(self, worker: str) -> None:
+        self.held[worker].clear()
+        self.send(worker, [AllCleared()])
+
+    def redeliver(self, worker: str) -> None:
+        seq = self.seq[worker]
+        result = self.index.apply_events(worker, self.epoch[worker], seq, self.last_batch[worker])
+        assert result == ApplyResult(False, False, "duplicate", seq)  # seq 0 too: nothing yet
+
+    def restart(self, worker: str) -> None:
+        self.epoch[worker] += 1
+        self.held[worker].clear()
+        self.seq[worker] = 0
+        self.last_batch[worker] = []
+        self.index.register(worker, self.epoch[worker], "node0", now=0.0)
+
+    def check(self) -> None:
+        self.index.check_integrity()
+        expected: dict[tuple[Namespace, tuple], set[tuple[str, int, int]]] = {}
+        for worker, mine in self.held.items():
+            for page_id, (namespace, path, generation) in mine.items():
+                expected.setdefault((namespace, path), set()).add((worker, page_id, generation))
+        assert self.index.num_pages == len(expected)
+        for (namespace, path), _ in expected.items():
+            prompt = [t for p in path for t in p] + [5, 5, 5]  # a page never stored, a partial
+            result = self.index.match(namespace, prompt)
+            assert result.matched_tokens == 2 * len(path)
+            for depth, page_match in enumerate(result.pages, start=1):
+                got = {(h.worker_id, h.page_id, h.generation) for h in page_match.holders}
+                assert got == expected[(namespace, path[:depth])]
+                assert len(got) == len(page_match.holders)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op_strategy, max_size=40))
+def test_index_matches_a_reference_model(ops):
+    index = GlobalIndex(page_tokens=2)
+    for worker in WORKERS:
+        index.register(worker, epoch=1, node_id="node0", now=0.0)
+    model = Model(index)
+    for kind, w, a, b, tokens in ops:
+        worker = WORKERS[w]
+        if kind in ("store", "overwrite"):
+            model.store(worker, a, b, tokens, overwrite=kind == "overwrite")
+        elif kind == "remove":
+            model.remove(worker, a)
+        elif kind == "clear":
+            model.clear(worker)
+        elif kind == "redeliver":
+            model.redeliver(worker)
+        else:
+            model.restart(worker)
+        model.check()
+    index.check_integrity()

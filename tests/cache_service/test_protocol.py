@@ -1,0 +1,1180 @@
+"""The wire codec: round trips, packed tokens, events, limits, malformed frames, and a ZMQ loop.
+
+Guarantee 4 at the codec level: every malformed frame raises ProtocolError (never another
+exception, never a hang, memory bounded), a server answers it with an error reply, and a
+well-formed request still decodes afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import struct
+import threading
+import tracemalloc
+from array import array
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_service import protocol
+from cache_service.events import (
+    REMOVAL_REASONS,
+    AllCleared,
+    Namespace,
+    PagesRemoved,
+    PagesStored,
+)
+from cache_service.protocol import (
+    BAD_FIELD,
+    BAD_FRAME,
+    BAD_VERSION,
+    DEFAULT_LIMITS,
+    ERROR,
+    INTERNAL,
+    MATCH,
+    MESSAGES,
+    OK,
+    PROTOCOL_VERSION,
+    TOO_DEEP,
+    TOO_LARGE,
+    UNKNOWN_TYPE,
+    Holder,
+    Limits,
+    Message,
+    ProtocolError,
+    check_stored,
+    decode,
+    decode_event,
+    encode,
+    encode_event,
+    error_reply,
+    ok_reply,
+    pack_tokens,
+    packed_tokens,
+    split_pages,
+    stored_pages,
+    unpack_tokens,
+)
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,  # the machine may be loaded; hangs are caught by the timeout marks
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+NS = Namespace("smollm2-135m", "", "tenant-a")
+
+
+def make_tokens(count: int, start: int = 0) -> list[int]:
+    return list(range(start, start + count))
+
+
+def make_stored(pages: int = 2, page_tokens: int = 4, parent: int | None = None) -> PagesStored:
+    first = 10 if parent is None else parent + 1
+    return PagesStored(
+        NS,
+        parent,
+        tuple(range(first, first + pages)),
+        (0,) * pages,
+        tuple(make_tokens(pages * page_tokens, start=100)),
+    )
+
+
+SAMPLE_REQUESTS = {
+    "register": {
+        "worker_id": "w0",
+        "epoch": 3,
+        "node_id": "node-a",
+        "tier": "cpu",
+        "address": "tcp://10.0.0.5:7001",
+    },
+    "heartbeat": {"worker_id": "w0", "epoch": 3, "load": 0.25},
+    "events": {
+        "worker_id": "w0",
+        "epoch": 3,
+        "seq": 41,
+        "events": [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()],
+    },
+    "resync": {"worker_id": "w0", "epoch": 3, "seq": 42, "chains": [make_stored(3, 2)]},
+    "match": {"namespace": NS, "tokens": pack_tokens(make_tokens(40)), "requester": "w1"},
+    "route": {
+        "namespace": NS,
+        "tokens": pack_tokens(make_tokens(40)),
+        "loads": {"w0": 0.5, "w1": 0.0},
+    },
+    "stats": {},
+    "bye": {"worker_id": "w0", "epoch": 3},
+}
+SAMPLE_REPLIES = {
+    "register": {"service_epoch": 7},
+    "heartbeat": {"service_epoch": 7},
+    "events": {"applied": False, "needs_resync": True, "reason": "seq 41 after 39"},
+    "resync": {"pages": 3},
+    "match": {
+        "matched_tokens": 32,
+        "pages": [
+            [Holder("w0", 10, 0, "cpu")],
+            [Holder("w0", 11, 0, "cpu"), Holder("w2", 5, 1, "gpu")],
+        ],
+    },
+    "route": {"worker_id": "w0", "matched_tokens": 32, "score": -1.5, "reason": "prefix"},
+    "stats": {"stats": {"hit_rate": 0.5, "workers": {"w0": {"pages": 3}}, "tiers": ["cpu"]}},
+    "bye": {},
+}
+GOOD_MATCH = Message(MATCH, 99, SAMPLE_REQUESTS["match"])
+GOOD_FRAME = encode(GOOD_MATCH)
+
+
+def raw_frame(kind: str, body: object, *, request_id: object = 1, **envelope: object) -> bytes:
+    """A frame built with bare msgpack, bypassing encode's own checks."""
+    frame = {"v": PROTOCOL_VERSION, "t": kind, "id": request_id, "b": body, **envelope}
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def wire_body(kind: str, body: dict, reply: bool = False) -> dict:
+    """`body` in its msgpack wire form (as decode sees it), for mutating one field."""
+    msg = Message(OK, 1, body, kind) if reply else Message(kind, 1, body)
+    return msgpack.unpackb(encode(msg))["b"]
+
+
+def assert_rejected(frame: bytes, *codes: str, expect: str = "request") -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frame, expect)
+    if codes:
+        assert info.value.code in codes, info.value
+    return info.value
+
+
+def assert_still_serves() -> None:
+    assert decode(GOOD_FRAME) == GOOD_MATCH
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(MESSAGES))
+def test_every_request_and_reply_round_trips(kind):
+    request = Message(kind, 12, SAMPLE_REQUESTS[kind])
+    assert decode(encode(request)) == request
+    reply = ok_reply(request, SAMPLE_REPLIES[kind])
+    assert reply.answers == kind
+    assert decode(encode(reply), "reply") == reply
+
+
+def test_error_reply_round_trips():
+    reply = error_reply(12, ProtocolError(BAD_FIELD, "match.tokens: 3 bytes"))
+    assert reply == Message(ERROR, 12, {"code": BAD_FIELD, "message": "match.tokens: 3 bytes"})
+    assert decode(encode(reply), "reply") == reply
+
+
+def test_decoded_bodies_hold_typed_values():
+    match = decode(encode(Message(MATCH, 1, SAMPLE_REQUESTS["match"]))).body
+    assert type(match["namespace"]) is Namespace
+    assert type(match["tokens"]) is bytes  # the fast path: pages compared as bytes
+    assert unpack_tokens(match["tokens"]).tolist() == make_tokens(40)
+    events = decode(encode(Message("events", 1, SAMPLE_REQUESTS["events"]))).body["events"]
+    assert [type(event).__name__ for event in events] == [
+        "PagesStored",
+        "PagesRemoved",
+        "AllCleared",
+    ]
+    assert isinstance(events[0], PagesStored) and events[0].tokens == make_stored().tokens
+    reply = decode(encode(ok_reply(GOOD_MATCH, SAMPLE_REPLIES["match"])), "reply").body
+    assert reply["pages"][1][1] == Holder("w2", 5, 1, "gpu")
+    assert type(reply["pages"][1][1]) is Holder
+
+
+def test_encode_accepts_plain_forms():
+    body = {"namespace": ["m", "", ""], "tokens": np.arange(8), "requester": None}
+    got = decode(encode(Message(MATCH, 1, body))).body
+    assert got == {"namespace": Namespace("m"), "tokens": pack_tokens(range(8)), "requester": None}
+    heartbeat = decode(encode(Message("heartbeat", 1, {"worker_id": "w", "epoch": 0, "load": 2})))
+    assert type(heartbeat.body["load"]) is float
+
+
+def test_envelope_layout():
+    assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, {"matched_tokens": 0, "pages": []}))) == {
+        "v": 1,
+        "t": OK,
+        "id": 99,
+        "r": MATCH,
+        "b": {"matched_tokens": 0, "pages": []},
+    }
+
+
+names = st.text(min_size=1, max_size=12)
+counts = st.integers(0, 2**63 - 1)
+token_ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=48)
+namespaces = st.builds(Namespace, st.text(max_size=8), st.text(max_size=8), st.text(max_size=8))
+
+
+@st.composite
+def stored_events(draw):
+    pages = draw(st.integers(1, 4))
+    page_tokens = draw(st.integers(1, 4))
+    ids = tuple(draw(st.lists(counts, min_size=pages, max_size=pages)))
+    generations = tuple(draw(st.lists(counts, min_size=pages, max_size=pages)))
+    tokens = draw(
+        st.lists(
+            st.integers(-(2**31), 2**31 - 1),
+            min_size=pages * page_tokens,
+            max_size=pages * page_tokens,
+        )
+    )
+    return PagesStored(draw(namespaces), draw(st.none() | counts), ids, generations, tuple(tokens))
+
+
+events = st.one_of(
+    stored_events(),
+    st.builds(
+        PagesRemoved,
+        st.lists(counts, min_size=1, max_size=4).map(tuple),
+        st.sampled_from(REMOVAL_REASONS),
+    ),
+    st.just(AllCleared()),
+)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
+)
+stats_values = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=3),
+    st.dictionaries(st.text(max_size=6), scalars | st.lists(scalars, max_size=2), max_size=3),
+)
+holders = st.builds(Holder, names, counts, counts, names)
+REQUEST_BODIES = {
+    "register": st.fixed_dictionaries(
+        {
+            "worker_id": names,
+            "epoch": counts,
+            "node_id": names,
+            "tier": names,
+            "address": st.text(max_size=30),
+        }
+    ),
+    "heartbeat": st.fixed_dictionaries(
+        {
+            "worker_id": names,
+            "epoch": counts,
+            "load": st.floats(min_value=0, allow_infinity=False),
+        }
+    ),
+    "events": st.fixed_dictionaries(
+        {
+            "worker_id": names,
+            "epoch": counts,
+            "seq": counts,
+            "events": st.lists(events, max_size=4),
+        }
+    ),
+    "resync": st.fixed_dictionaries(
+        {
+            "worker_id": names,
+            "epoch": counts,
+            "seq": counts,
+            "chains": st.lists(stored_events(), max_size=3),
+        }
+    ),
+    "match": st.fixed_dictionaries(
+        {
+            "namespace": namespaces,
+            "tokens": token_ids.map(pack_tokens),
+            "requester": st.none() | names,
+        }
+    ),
+    "route": st.fixed_dictionaries(
+        {
+            "namespace": namespaces,
+            "tokens": token_ids.map(pack_tokens),
+            "loads": st.dictionaries(
+                names, st.floats(min_value=0, allow_infinity=False), max_size=4
+            ),
+        }
+    ),
+    "stats": st.just({}),
+    "bye": st.fixed_dictionaries({"worker_id": names, "epoch": counts}),
+}
+REPLY_BODIES = {
+    "register": st.fixed_dictionaries({"service_epoch": counts}),
+    "heartbeat": st.fixed_dictionaries({"service_epoch": counts}),
+    "events": st.fixed_dictionaries(
+        {
+            "applied": st.booleans(),
+            "needs_resync": st.booleans(),
+            "reason": st.text(max_size=20),
+        }
+    ),
+    "resync": st.fixed_dictionaries({"pages": counts}),
+    "match": st.fixed_dictionaries(
+        {
+            "matched_tokens": counts,
+            "pages": st.lists(st.lists(holders, max_size=3), max_size=5),
+        }
+    ),
+    "route": st.fixed_dictionaries(
+        {
+            "worker_id": st.none() | names,
+            "matched_tokens": counts,
+            "score": st.floats(allow_nan=False, allow_infinity=False),
+            "reason": st.text(max_size=20),
+        }
+    ),
+    "stats": st.fixed_dictionaries(
+        {
+            "stats": st.dictionaries(st.text(max_size=8), stats_values, max_size=4),
+        }
+    ),
+    "bye": st.just({}),
+}
+
+
+@st.composite
+def messages(draw):
+    """Any valid message: a request, an ok reply or an error reply."""
+    kind = draw(st.sampled_from(sorted(MESSAGES)))
+    request_id = draw(st.integers(1, 2**63 - 1))
+    shape = draw(st.sampled_from(["request", "ok", "error"]))
+    if shape == "request":
+        return Message(kind, request_id, draw(REQUEST_BODIES[kind]))
+    if shape == "ok":
+        return Message(OK, request_id, draw(REPLY_BODIES[kind]), kind)
+    code = draw(st.sampled_from(protocol.ERROR_CODES) | names)
+    return Message(ERROR, request_id, {"code": code, "message": draw(st.text(max_size=40))})
+
+
+def expect_of(msg: Message) -> str:
+    return "reply" if msg.type in (OK, ERROR) else "request"
+
+
+@FUZZ
+@given(messages())
+def test_generated_messages_round_trip(msg):
+    assert decode(encode(msg), expect_of(msg)) == msg
+
+
+# --- tokens -------------------------------------------------------------------------------
+
+
+def test_tokens_round_trip_at_int32_bounds():
+    ids = [-(2**31), -1, 0, 1, 2**31 - 1]
+    packed = pack_tokens(ids)
+    assert packed == struct.pack("<5i", *ids)
+    assert unpack_tokens(packed).tolist() == ids
+    assert unpack_tokens(packed).dtype == np.dtype("<i4")
+    assert pack_tokens(np.array(ids, dtype=np.int64)) == packed
+    assert pack_tokens(array("i", ids)) == packed
+    assert pack_tokens(np.array(ids, dtype=">i4")) == packed
+    assert pack_tokens(iter(ids)) == packed
+    assert pack_tokens([]) == b"" and unpack_tokens(b"").tolist() == []
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [2**31],
+        [0, -(2**31) - 1],
+        np.array([2**40], dtype=np.int64),
+        np.array([2**32], dtype=np.uint64),
+        [2**70],
+        [1.5],
+        np.array([True]),
+        [[1, 2]],
+        ["1"],
+        [None],
+        b"\x00\x00\x00\x00",
+        "abc",
+        5,
+        None,
+        np.zeros((2, 2), dtype=np.int32),
+    ],
+)
+def test_pack_tokens_rejects_what_is_not_int32(ids):
+    with pytest.raises(ProtocolError) as info:
+        pack_tokens(ids)
+    assert info.value.code == BAD_FIELD
+
+
+def test_out_of_range_token_is_named():
+    with pytest.raises(ProtocolError, match=r"token id 2147483648 at index 2"):
+        pack_tokens([0, 1, 2**31, 3])
+
+
+def test_unpack_tokens_needs_whole_int32():
+    with pytest.raises(ProtocolError):
+        unpack_tokens(b"\x00" * 7)
+
+
+def test_split_pages_keeps_full_pages_as_bytes():
+    packed = pack_tokens(make_tokens(10))
+    assert split_pages(packed, 4) == [pack_tokens([0, 1, 2, 3]), pack_tokens([4, 5, 6, 7])]
+    assert split_pages(packed, 11) == []
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "event, wire",
+    [
+        (PagesRemoved((4, 5), "cleared"), ["r", [4, 5], "cleared"]),
+        (AllCleared(), ["c"]),
+        (
+            PagesStored(NS, 3, (4,), (9,), (7, 8)),
+            ["s", list(NS), 3, [4], [9], pack_tokens([7, 8])],
+        ),
+    ],
+)
+def test_event_wire_forms(event, wire):
+    assert encode_event(event) == wire
+    assert decode_event(msgpack.unpackb(msgpack.packb(wire))) == event
+
+
+def test_stored_chain_keeps_its_packed_tokens():
+    event = decode_event(msgpack.unpackb(msgpack.packb(encode_event(make_stored(3, 4)))))
+    assert packed_tokens(event) is event._packed  # no repacking for the index
+    plain = copy.deepcopy(event)  # e.g. shipped to another process: a plain PagesStored
+    assert type(plain) is PagesStored and plain == event
+    assert "PagesStored(namespace=" in repr(event)
+    assert packed_tokens(make_stored(3, 4)) == packed_tokens(event)
+    assert stored_pages(event, 4) == split_pages(pack_tokens(make_tokens(12, start=100)), 4)
+    check_stored(event, 4)
+    with pytest.raises(ProtocolError, match="3 pages carries 12 tokens; at 2 tokens a page"):
+        check_stored(event, 2)
+
+
+GOOD_STORED = ["s", ["m", "", ""], None, [1, 2], [0, 0], pack_tokens(make_tokens(8))]
+BAD_EVENTS = [
+    [],
+    "s",
+    5,
+    {"s": 1},
+    ["x"],
+    [1, 2],
+    ["c", 1],
+    ["r", [1]],
+    ["r", [1], "evicted", 0],
+    ["r", [1], "bogus"],
+    ["r", [1], None],
+    ["r", [], "evicted"],
+    ["r", [-1], "evicted"],
+    ["r", [True], "evicted"],
+    ["r", "ab", "evicted"],
+    GOOD_STORED[:5],
+    [*GOOD_STORED, 0],
+    ["s", ["m", ""], *GOOD_STORED[2:]],
+    ["s", ["m", "", 1], *GOOD_STORED[2:]],
+    ["s", ["m", "", ""], -1, *GOOD_STORED[3:]],
+    ["s", ["m", "", ""], True, *GOOD_STORED[3:]],
+    ["s", ["m", "", ""], None, [], [], b""],
+    ["s", ["m", "", ""], None, [1, 2], [0], GOOD_STORED[5]],
+    ["s", ["m", "", ""], None, [1, 2], [0, -1], GOOD_STORED[5]],
+    ["s", ["m", "", ""], None, [1, [2]], [0, 0], GOOD_STORED[5]],
+    ["s", ["m", "", ""], None, [1, 2], [0, 0], GOOD_STORED[5][:7]],
+    ["s", ["m", "", ""], None, [1, 2], [0, 0], pack_tokens([1, 2, 3])],
+    ["s", ["m", "", ""], None, [1, 2], [0, 0], b""],
+    ["s", ["m", "", ""], None, [1, 2], [0, 0], "tokens"],
+    ["s", ["m", "", ""], None, [1, 2], [0, 0], [1, 2]],
+]
+
+
+@pytest.mark.parametrize("wire", BAD_EVENTS, ids=range(len(BAD_EVENTS)))
+def test_malformed_events_are_rejected(wire):
+    with pytest.raises(ProtocolError) as info:
+        decode_event(msgpack.unpackb(msgpack.packb(wire)))
+    assert info.value.code == BAD_FIELD
+
+
+def test_resync_takes_stored_chains_only():
+    body = wire_body("resync", SAMPLE_REQUESTS["resync"])
+    body["chains"].append(["r", [1], "evicted"])
+    error = assert_rejected(raw_frame("resync", body, request_id=5), BAD_FIELD)
+    assert "resync.chains[1]" in error.message and error.request_id == 5
+
+
+# --- field checks -------------------------------------------------------------------------
+
+wire_ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
+ANY_OTHER = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.floats(),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), wire_ints, max_size=2),
+)
+NAN, INF = math.nan, math.inf
+LONG_NAME = "x" * 257
+INVALID = {
+    "count": st.one_of(
+        st.booleans(),
+        st.integers(-(2**63), -1),
+        st.integers(2**63, 2**64 - 1),
+        st.floats(),
+        st.text(max_size=3),
+        st.none(),
+        st.binary(max_size=3),
+        st.lists(st.integers(0, 3), max_size=2),
+    ),
+    "id": st.one_of(
+        st.sampled_from(["", LONG_NAME]),
+        wire_ints,
+        st.booleans(),
+        st.none(),
+        st.binary(max_size=4),
+        st.lists(st.text(max_size=2), max_size=2),
+    ),
+    "optional id": st.one_of(
+        st.sampled_from(["", LONG_NAME]),
+        wire_ints,
+        st.booleans(),
+        st.binary(max_size=4),
+    ),
+    "address": st.one_of(
+        st.just(LONG_NAME), wire_ints, st.booleans(), st.none(), st.binary(max_size=4)
+    ),
+    "text": st.one_of(
+        st.just("x" * 5000),
+        wire_ints,
+        st.booleans(),
+        st.none(),
+        st.binary(max_size=4),
+        st.lists(st.text(max_size=2), max_size=2),
+    ),
+    "flag": st.one_of(wire_ints, st.none(), st.text(max_size=3), st.floats()),
+    "load": st.one_of(
+        st.booleans(),
+        st.sampled_from([NAN, INF, -INF, -0.5, -1]),
+        st.floats(max_value=-1e-9),
+        st.text(max_size=3),
+        st.none(),
+        st.binary(max_size=3),
+    ),
+    "score": st.one_of(
+        st.booleans(),
+        st.sampled_from([NAN, INF, -INF]),
+        st.text(max_size=3),
+        st.none(),
+        st.lists(st.floats(), max_size=2),
+    ),
+    "tokens": st.one_of(
+        st.binary(max_size=30).filter(lambda b: len(b) % 4),
+        st.text(max_size=3),
+        st.lists(st.integers(0, 9), max_size=3),
+        st.none(),
+        wire_ints,
+        st.booleans(),
+    ),
+    "namespace": st.one_of(
+        st.lists(st.text(max_size=3), max_size=2),
+        st.lists(st.text(max_size=3), min_size=4, max_size=5),
+        st.tuples(wire_ints, st.text(max_size=2), st.text(max_size=2)).map(list),
+        st.just([LONG_NAME, "", ""]),
+        st.just(["m", "", None]),
+        st.text(max_size=3),
+        st.none(),
+        st.dictionaries(st.text(max_size=2), st.text(max_size=2), max_size=2),
+    ),
+    "loads": st.one_of(
+        st.dictionaries(
+            st.text(min_size=1, max_size=4),
+            st.one_of(
+                st.booleans(), st.sampled_from([NAN, INF, -1.0]), st.text(max_size=2), st.none()
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        st.sampled_from([{"": 1.0}, {b"w0": 1.0}, {LONG_NAME: 1.0}, {1: 1.0}, {None: 1.0}]),
+        st.lists(st.floats(0, 1), max_size=2),
+        st.none(),
+        st.text(max_size=2),
+    ),
+    "events": st.one_of(
+        ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
+        st.lists(st.sampled_from(BAD_EVENTS), min_size=1, max_size=3),
+    ),
+    "chains": st.one_of(
+        ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
+        st.lists(
+            st.sampled_from([*BAD_EVENTS, ["r", [1], "evicted"], ["c"]]), min_size=1, max_size=3
+        ),
+    ),
+    "holders": st.one_of(
+        ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
+        st.sampled_from(
+            [
+                [["w", 1, 0, "cpu"]],
+                [[["w", -1, 0, "cpu"]]],
+                [[["w", 1, True, "cpu"]]],
+                [[["w", 1, 0]]],
+                [[["", 1, 0, "cpu"]]],
+                [[["w", 1, 0, ""]]],
+                [[["w", 1, 0, "cpu", 5]]],
+                [[[b"w", 1, 0, "cpu"]]],
+                [[["w", 2**63, 0, "cpu"]]],
+                [[], [["w", 1, 0, 7]]],
+                [[["w", 1, 0, "cpu"]], "page"],
+            ]
+        ),
+    ),
+    "stats": st.one_of(
+        st.none(),
+        st.lists(wire_ints, max_size=2),
+        wire_ints,
+        st.text(max_size=3),
+        st.sampled_from(
+            [
+                {"a": b"bytes"},
+                {"a": 2**63},
+                {"a": [1, {"b": 2**64 - 1}]},
+                {"a": {b"k": 1}},
+                {1: 2},
+                {"a": {"b": "x" * 5000}},
+                {"a": msgpack.ExtType(3, b"x")},
+            ]
+        ),
+    ),
+}
+FIELD_CASES = [
+    (kind, reply, name, field.kind)
+    for kind, schema in MESSAGES.items()
+    for reply, fields in ((False, schema.request), (True, schema.reply))
+    for name, field in fields.items()
+] + [(ERROR, True, name, field.kind) for name, field in protocol.ERROR_FIELDS.items()]
+
+
+def test_every_field_kind_has_invalid_values():
+    assert {case[3] for case in FIELD_CASES} <= set(INVALID)
+
+
+def frame_with(kind: str, reply: bool, name: str, value: object, request_id: int = 7) -> bytes:
+    if kind == ERROR:
+        body = {"code": "bad_field", "message": "m", name: value}
+        return raw_frame(ERROR, body, request_id=request_id)
+    sample = (SAMPLE_REPLIES if reply else SAMPLE_REQUESTS)[kind]
+    body = {**wire_body(kind, sample, reply), name: value}
+    if reply:
+        return raw_frame(OK, body, request_id=request_id, r=kind)
+    return raw_frame(kind, body, request_id=request_id)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(st.sampled_from(FIELD_CASES), st.data())
+def test_wrong_field_values_are_rejected_naming_the_field(case, data):
+    kind, reply, name, field_kind = case
+    value = data.draw(INVALID[field_kind], label="value")
+    error = assert_rejected(
+        frame_with(kind, reply, name, value),
+        BAD_FIELD,
+        TOO_LARGE,
+        BAD_FRAME,
+        TOO_DEEP,
+        expect="reply" if reply else "request",
+    )
+    assert error.request_id == 7
+    if error.code == BAD_FIELD:
+        assert f".{name}" in error.message, error
+    assert_still_serves()
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | wire_ints
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=9),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=4) | st.sampled_from(["s", "model"]), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(st.sampled_from(sorted(MESSAGES)), st.booleans(), st.data())
+def test_arbitrary_values_in_fields_raise_only_protocol_errors(kind, reply, data):
+    """Any msgpack tree in any field: the frame decodes (if the tree happens to be valid)
+    or raises ProtocolError; nothing else."""
+    sample = wire_body(kind, (SAMPLE_REPLIES if reply else SAMPLE_REQUESTS)[kind], reply)
+    body = {
+        name: data.draw(st.just(value) | msgpack_values, label=name)
+        for name, value in sample.items()
+    }
+    frame = raw_frame(OK, body, r=kind) if reply else raw_frame(kind, body)
+    with contextlib.suppress(ProtocolError):
+        decode(frame, "reply" if reply else "request")
+    assert_still_serves()
+
+
+@pytest.mark.parametrize(
+    "case", [case for case in FIELD_CASES if case[3] == "count"], ids=lambda case: str(case[:3])
+)
+def test_bool_is_not_an_int(case):
+    kind, reply, name, _ = case
+    for value in (True, False):
+        error = assert_rejected(
+            frame_with(kind, reply, name, value), BAD_FIELD, expect="reply" if reply else "request"
+        )
+        assert f".{name}: expected int" in error.message and f"got {value}" in error.message
+
+
+@pytest.mark.parametrize("kind", sorted(MESSAGES))
+def test_missing_and_unknown_fields_are_named(kind):
+    body = wire_body(kind, SAMPLE_REQUESTS[kind])
+    error = assert_rejected(raw_frame(kind, {**body, "colour": 1}), BAD_FIELD)
+    assert "unknown field 'colour'" in error.message
+    for name in body:
+        missing = {key: value for key, value in body.items() if key != name}
+        error = assert_rejected(raw_frame(kind, missing), BAD_FIELD)
+        assert f"missing field {name!r}" in error.message
+
+
+def test_values_at_their_limits_are_accepted():
+    limits = Limits(max_tokens=8, max_list_len=5, max_str_len=4)
+    body = {
+        "namespace": ["abcd", "", ""],
+        "tokens": pack_tokens(make_tokens(8)),
+        "requester": "wxyz",
+    }
+    assert decode(raw_frame(MATCH, body), limits=limits).body["namespace"] == ("abcd", "", "")
+    for name, value in [("tokens", pack_tokens(make_tokens(9))), ("requester", "vwxyz")]:
+        error = assert_rejected_with(raw_frame(MATCH, {**body, name: value}), limits)
+        assert error.code == TOO_LARGE and f"match.{name}" in error.message
+    loads = {name: 0.0 for name in "abcdef"}
+    body = {"namespace": ["m", "", ""], "tokens": b"", "loads": loads}
+    assert assert_rejected_with(raw_frame("route", body), limits).code == TOO_LARGE
+    assert assert_rejected_with(GOOD_FRAME, Limits(max_frame_bytes=64)).code == TOO_LARGE
+    edge = {"worker_id": "w", "epoch": 2**63 - 1, "seq": 0, "events": []}
+    assert decode(raw_frame("events", edge)).body == edge
+
+
+def assert_rejected_with(frame: bytes, limits: Limits) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frame, limits=limits)
+    return info.value
+
+
+def test_limits_are_validated():
+    assert dataclasses.asdict(DEFAULT_LIMITS) == {
+        "max_frame_bytes": 8 << 20,
+        "max_tokens": 1 << 20,
+        "max_list_len": 1 << 17,
+        "max_str_len": 256,
+        "max_text_len": 4096,
+        "max_depth": 8,
+    }
+    with pytest.raises(ValueError, match="max_depth 4 is below 5"):
+        Limits(max_depth=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Limits(max_tokens=0)
+    with pytest.raises(ValueError, match="max_str_len"):
+        Limits(max_str_len=True)
+
+
+# --- envelopes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (raw_frame(MATCH, {}, v=2), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=0), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=True), BAD_VERSION),
+        (raw_frame(MATCH, {}, v="1"), BAD_VERSION),
+        (msgpack.packb({"t": MATCH, "id": 1, "b": {}}), BAD_FRAME),
+        (raw_frame("teleport", {}), UNKNOWN_TYPE),
+        (raw_frame(OK, {}, r=MATCH), UNKNOWN_TYPE),  # a reply where a request belongs
+        (raw_frame(7, {}), BAD_FRAME),
+        (raw_frame(MATCH, {}, request_id=0), BAD_FRAME),  # 0 is kept for undecodable frames
+        (raw_frame(MATCH, {}, request_id=-3), BAD_FRAME),
+        (raw_frame(MATCH, {}, request_id=True), BAD_FRAME),
+        (raw_frame(MATCH, {}, request_id=2**64 - 1), BAD_FRAME),
+        (raw_frame(MATCH, {}, request_id=1.0), BAD_FRAME),
+        (raw_frame(MATCH, SAMPLE_REQUESTS["stats"], x=1), BAD_FRAME),
+        (msgpack.packb({"v": 1, "t": MATCH, "id": 1}), BAD_FRAME),
+        (msgpack.packb([1, MATCH, 1, {}]), BAD_FRAME),
+        (msgpack.packb("match"), BAD_FRAME),
+        (raw_frame(MATCH, [1, 2, 3]), BAD_FIELD),
+        (raw_frame("stats", None), BAD_FIELD),
+    ],
+)
+def test_bad_envelopes(frame, code):
+    assert_rejected(frame, code)
+    assert_still_serves()
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(
+    st.one_of(st.just(PROTOCOL_VERSION), msgpack_values),
+    st.one_of(st.sampled_from([*MESSAGES, OK, ERROR]), st.text(max_size=12), msgpack_values),
+    st.one_of(st.integers(0, 2**63 - 1), msgpack_values),
+    st.one_of(st.just(SAMPLE_REQUESTS["stats"]), msgpack_values),
+    st.dictionaries(st.sampled_from(["v", "t", "id", "b", "r", "x"]), msgpack_values, max_size=2),
+    st.sampled_from(["request", "reply"]),
+)
+def test_random_envelopes_raise_only_protocol_errors(
+    version, kind, request_id, body, extra, expect
+):
+    frame = msgpack.packb({"v": version, "t": kind, "id": request_id, "b": body, **extra})
+    with contextlib.suppress(ProtocolError):
+        decode(frame, expect)
+    assert_still_serves()
+
+
+def test_reply_envelopes():
+    assert_rejected(raw_frame(MATCH, {}), UNKNOWN_TYPE, expect="reply")
+    assert_rejected(raw_frame(OK, {}, r="teleport"), UNKNOWN_TYPE, expect="reply")
+    assert_rejected(raw_frame(OK, {}), BAD_FRAME, expect="reply")  # no "r"
+    assert_rejected(
+        raw_frame(ERROR, {"code": "x", "message": "m"}, r=MATCH), BAD_FRAME, expect="reply"
+    )
+    undecodable = raw_frame(ERROR, {"code": BAD_FRAME, "message": "m"}, request_id=0)
+    assert decode(undecodable, "reply").request_id == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        msgpack.ExtType(5, b"x"),
+        msgpack.ExtType(5, b""),
+        msgpack.ExtType(127, b"\x00" * 300),
+        msgpack.Timestamp(1, 0),
+    ],
+)
+def test_ext_types_are_refused_anywhere(value):
+    for frame in (
+        raw_frame(MATCH, {**wire_body(MATCH, SAMPLE_REQUESTS[MATCH]), "requester": value}),
+        raw_frame(MATCH, {}, request_id=value),
+        msgpack.packb(value),
+    ):
+        assert_rejected(frame, BAD_FRAME)
+
+
+@pytest.mark.parametrize("key", [1, -1, None, 1.5, True, b"tokens", (1, 2)])
+def test_non_str_map_keys_are_refused(key):
+    body = {**wire_body(MATCH, SAMPLE_REQUESTS[MATCH]), key: 1}
+    assert_rejected(raw_frame(MATCH, body), BAD_FRAME, BAD_FIELD)
+    assert_rejected(msgpack.packb({"v": 1, "t": MATCH, "id": 1, "b": {}, key: 1}), BAD_FRAME)
+    stats = {"stats": {"ok": 1, "nested": {key: 1}}}
+    assert_rejected(raw_frame(OK, stats, r="stats"), BAD_FRAME, BAD_FIELD, expect="reply")
+
+
+def test_strings_must_be_utf8():
+    frame = raw_frame(MATCH, wire_body(MATCH, SAMPLE_REQUESTS[MATCH])).replace(b"w1", b"\xff\xfe")
+    assert_rejected(frame, BAD_FRAME)
+
+
+# --- depth --------------------------------------------------------------------------------
+
+
+def nested(levels: int, leaf: object = None) -> object:
+    """`leaf` inside `levels` lists."""
+    value = leaf
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def frame_ending_in(kind: str, body: dict, last: str, tail: bytes, request_id: int = 1) -> bytes:
+    """A frame whose body's `last` field is the raw msgpack `tail` (msgpack's packer refuses
+    to nest deeper than 511 levels, so deep values are written byte by byte)."""
+    frame = raw_frame(kind, {**body, last: 0}, request_id=request_id)
+    assert frame.endswith(msgpack.packb(last) + b"\x00")
+    return frame[:-1] + tail
+
+
+def test_ten_thousand_nested_lists_are_refused():
+    assert_rejected(b"\x91" * 10_000 + b"\xc0", TOO_DEEP)
+    assert_rejected(frame_ending_in(MATCH, {}, "namespace", b"\x91" * 10_000 + b"\xc0"), TOO_DEEP)
+    assert_still_serves()
+
+
+@pytest.mark.parametrize("levels", [1, 3, 500, 1000])
+def test_nesting_below_the_schema_is_too_deep(levels):
+    body = wire_body(MATCH, SAMPLE_REQUESTS[MATCH])
+    del body["namespace"]
+    tail = b"\x91" * levels + msgpack.packb(["m", "", ""])
+    error = assert_rejected(frame_ending_in(MATCH, body, "namespace", tail, 3), TOO_DEEP)
+    assert error.request_id == 3 and "3 levels" in error.message
+
+
+def test_deepest_fixed_schema_fits():
+    frame = encode(Message("events", 1, SAMPLE_REQUESTS["events"]))
+    assert decode(frame).body["events"][0] == make_stored()
+    reply = ok_reply(GOOD_MATCH, SAMPLE_REPLIES["match"])
+    bad = msgpack.unpackb(encode(reply))
+    bad["b"]["pages"][0][0][0] = ["w0"]
+    assert_rejected(msgpack.packb(bad), TOO_DEEP, expect="reply")
+
+
+def test_stats_nest_up_to_max_depth():
+    def stats_frame(levels):
+        return raw_frame(OK, {"stats": {"a": nested(levels, 1)}}, r="stats")
+
+    # envelope, body, stats map = 3 levels; 5 more reach max_depth 8.
+    assert decode(stats_frame(5), "reply").body["stats"]["a"] == nested(5, 1)
+    assert_rejected(stats_frame(6), TOO_DEEP, expect="reply")
+    assert decode(stats_frame(6), "reply", limits=Limits(max_depth=9))
+
+
+# --- malformed frames: fuzz ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_are_rejected(frame):
+    assert_rejected(frame)
+    assert_still_serves()
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(messages(), st.data())
+def test_truncated_frames_are_rejected(msg, data):
+    frame = encode(msg)
+    cut = data.draw(st.integers(0, len(frame) - 1), label="cut")
+    assert_rejected(frame[:cut], BAD_FRAME)
+    assert_rejected(frame + b"\x00", BAD_FRAME)
+    assert_still_serves()
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(messages(), st.data())
+def test_corrupted_frames_raise_only_protocol_errors(msg, data):
+    """Flip, insert or drop bytes of a valid frame: the result decodes or raises ProtocolError."""
+    frame = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        at = data.draw(st.integers(0, len(frame)), label="at")
+        action = data.draw(st.sampled_from(["set", "insert", "drop"]), label="action")
+        byte = data.draw(st.integers(0, 255), label="byte")
+        if action == "insert":
+            frame.insert(at, byte)
+        elif at < len(frame):
+            if action == "set":
+                frame[at] = byte
+            else:
+                del frame[at]
+    with contextlib.suppress(ProtocolError):
+        decode(bytes(frame), expect_of(msg))
+    assert_still_serves()
+
+
+# Headers whose lengths a frame cannot back: bin/str/array/map of 8, 16 and 32 bits.
+HEADERS = {
+    "bin8": (b"\xc4", "B"),
+    "bin16": (b"\xc5", ">H"),
+    "bin32": (b"\xc6", ">I"),
+    "str8": (b"\xd9", "B"),
+    "str16": (b"\xda", ">H"),
+    "str32": (b"\xdb", ">I"),
+    "array16": (b"\xdc", ">H"),
+    "array32": (b"\xdd", ">I"),
+    "map16": (b"\xde", ">H"),
+    "map32": (b"\xdf", ">I"),
+}
+
+
+def header(name: str, length: int) -> bytes:
+    tag, fmt = HEADERS[name]
+    return tag + struct.pack(fmt, min(length, 2 ** (8 * struct.calcsize(fmt)) - 1))
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(
+    st.sampled_from(sorted(HEADERS)),
+    st.integers(0, 2**32 - 1),
+    st.binary(max_size=16),
+    st.sampled_from(["top", "field", "nested"]),
+)
+def test_oversized_length_headers_are_rejected(name, length, tail, where):
+    claim = header(name, length)
+    if where == "top":
+        frame = claim + tail
+    elif where == "field":  # the value of "tokens" in an otherwise valid envelope
+        frame = raw_frame(MATCH, {"tokens": 0})[:-1] + claim + tail
+    else:  # a stack of huge arrays, each claiming the most a list may hold
+        frame = header("array32", DEFAULT_LIMITS.max_list_len) * 50 + claim + tail
+    assert_rejected(frame)
+    assert_still_serves()
+
+
+def peak_bytes_while(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_lying_headers_do_not_allocate():
+    # 1,000 nested arrays each claiming max_list_len items would make msgpack preallocate
+    # about 1 GiB of list slots if decoded directly; the skipper refuses the frame first.
+    frames = [
+        header("array32", DEFAULT_LIMITS.max_list_len) * 1000,
+        header("map32", DEFAULT_LIMITS.max_list_len) * 1000,
+        header("bin32", DEFAULT_LIMITS.max_frame_bytes - 16) + b"x" * 10,
+        header("str32", 2**32 - 1) + b"x",
+    ]
+    for frame in frames:
+        peak = peak_bytes_while(lambda frame=frame: assert_rejected(frame, BAD_FRAME))
+        assert peak < 1 << 20, peak
+
+
+def test_oversized_frames_are_refused_before_decoding():
+    frame = b"\x00" * (DEFAULT_LIMITS.max_frame_bytes + 1)
+    peak = peak_bytes_while(lambda: assert_rejected(frame, TOO_LARGE))
+    assert peak < 1 << 20
+    big = {**SAMPLE_REQUESTS[MATCH], "tokens": b"\x00" * (4 * DEFAULT_LIMITS.max_tokens + 4)}
+    error = assert_rejected(raw_frame(MATCH, big), TOO_LARGE)
+    assert "match.tokens: 1048577 tokens exceeds max_tokens 1048576" in error.message
+    assert_rejected(header("array32", 2**32 - 1) + b"\x00", TOO_LARGE, BAD_FRAME)
+
+
+def test_a_max_size_prompt_decodes():
+    body = {**SAMPLE_REQUESTS[MATCH], "tokens": pack_tokens(np.arange(DEFAULT_LIMITS.max_tokens))}
+    got = decode(encode(Message(MATCH, 1, body))).body
+    assert len(got["tokens"]) == 4 * DEFAULT_LIMITS.max_tokens
+
+
+def test_decode_takes_bytes_like_frames_only():
+    assert decode(memoryview(GOOD_FRAME)) == GOOD_MATCH
+    assert decode(bytearray(GOOD_FRAME)) == GOOD_MATCH
+    assert_rejected(b"", BAD_FRAME)
+    with pytest.raises(ProtocolError):
+        decode("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="expect"):
+        decode(GOOD_FRAME, "question")  # type: ignore[arg-type]
+
+
+# --- encode side --------------------------------------------------------------------------
+
+
+def test_encode_checks_what_it_sends():
+    with pytest.raises(ProtocolError) as info:
+        encode(Message("teleport", 1, {}))
+    assert info.value.code == UNKNOWN_TYPE
+    with pytest.raises(ProtocolError, match="missing field 'requester'"):
+        encode(Message(MATCH, 1, {"namespace": NS, "tokens": b""}))
+    with pytest.raises(ProtocolError, match=r"match\.requester: expected a non-empty str"):
+        encode(Message(MATCH, 4, {**SAMPLE_REQUESTS[MATCH], "requester": ""}))
+    with pytest.raises(ProtocolError, match="match.tokens: token id"):
+        encode(Message(MATCH, 1, {**SAMPLE_REQUESTS[MATCH], "tokens": [2**31]}))
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Message(MATCH, 1, {**SAMPLE_REQUESTS[MATCH], "requester": object()}))
+    with pytest.raises(ProtocolError, match="expected a KvEvent"):
+        encode(Message("events", 1, {**SAMPLE_REQUESTS["events"], "events": [("s",)]}))
+    with pytest.raises(ProtocolError, match="envelope.id"):
+        encode(Message(MATCH, 0, SAMPLE_REQUESTS[MATCH]))
+    with pytest.raises(ProtocolError) as info:
+        encode(GOOD_MATCH, limits=Limits(max_frame_bytes=64))
+    assert info.value.code == TOO_LARGE and info.value.request_id == 99
+    unchecked = encode(Message(MATCH, 4, {**SAMPLE_REQUESTS[MATCH], "requester": ""}), check=False)
+    assert_rejected(unchecked, BAD_FIELD)
+
+
+def test_error_reply_for_any_exception():
+    assert error_reply(5, KeyError("w9")).body == {"code": INTERNAL, "message": "KeyError: 'w9'"}
+    long = error_reply(5, ProtocolError("stale_epoch", "x" * 10_000))
+    assert long.body["code"] == "stale_epoch" and len(long.body["message"]) == 4096
+    assert decode(encode(long), "reply") == long
+    assert error_reply(-1, ValueError("v")).request_id == 0
+    assert error_reply(True, ValueError("v")).request_id == 0
+
+
+def test_protocol_error_copies_with_its_fields():
+    error = ProtocolError(TOO_DEEP, "deep", 12)
+    clone = copy.deepcopy(error)
+    assert (clone.code, clone.message, clone.request_id) == (TOO_DEEP, "deep", 12)
+    assert str(clone) == "too_deep: deep" and isinstance(clone, ValueError)
+
+
+# --- over a real socket -------------------------------------------------------------------
+
+
+def serve(router: zmq.Socket, stop: threading.Event) -> None:
+    """A ROUTER loop that answers every frame: an ok reply or the error it raised."""
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    try:
+        while not stop.is_set():
+            if not poller.poll(20):
+                continue
+            identity, frame = router.recv_multipart()
+            try:
+                request = decode(frame)
+                reply = ok_reply(request, SAMPLE_REPLIES[request.type])
+            except ProtocolError as exc:
+                reply = error_reply(exc.request_id, exc)
+            router.send_multipart([identity, encode(reply)])
+    finally:
+        router.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_router_answers_every_bad_frame_and_keeps_serving():
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    server = threading.Thread(target=serve, args=(router, stop), daemon=True)
+    server.start()
+    dealer = context.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.rcvtimeo = 10_000
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    bad = [
+        (b"", 0, BAD_FRAME),
+        (b"\xc1garbage", 0, BAD_FRAME),
+        (GOOD_FRAME[:-3], 0, BAD_FRAME),
+        (b"\x91" * 10_000 + b"\xc0", 0, TOO_DEEP),
+        (header("array32", DEFAULT_LIMITS.max_list_len) * 1000, 0, BAD_FRAME),
+        (b"\x00" * (DEFAULT_LIMITS.max_frame_bytes + 1), 0, TOO_LARGE),
+        (raw_frame(MATCH, {}, v=2), 0, BAD_VERSION),
+        (raw_frame("teleport", {}, request_id=11), 11, UNKNOWN_TYPE),
+        (frame_with(MATCH, False, "tokens", b"\x00" * 5, request_id=12), 12, BAD_FIELD),
+        (frame_with("heartbeat", False, "epoch", True, request_id=13), 13, BAD_FIELD),
+        (frame_with("heartbeat", False, "load", math.nan, request_id=14), 14, BAD_FIELD),
+        (raw_frame(MATCH, {"namespace": nested(50)}, request_id=15), 15, TOO_DEEP),
+        (raw_frame(MATCH, {**wire_body(MATCH, SAMPLE_REQUESTS[MATCH]), 3: 1}), 1, BAD_FRAME),
+        (raw_frame(MATCH, msgpack.ExtType(1, b"x"), request_id=16), 16, BAD_FRAME),
+        (raw_frame(MATCH, {"tokens": "x" * 5000}, request_id=17), 17, TOO_LARGE),
+    ]
+    try:
+        for frame, _, _ in bad:
+            dealer.send(frame)
+        replies = [decode(dealer.recv(), "reply") for _ in bad]
+        assert [(reply.type, reply.request_id, reply.body["code"]) for reply in replies] == [
+            (ERROR, request_id, code) for _, request_id, code in bad
+        ]
+        assert all(reply.body["message"] for reply in replies)
+        dealer.send(GOOD_FRAME)
+        reply = decode(dealer.recv(), "reply")
+        assert reply == Message(OK, 99, SAMPLE_REPLIES[MATCH], MATCH)
+    finally:
+        stop.set()
+        server.join(timeout=10)
+        dealer.close(linger=0)
+        context.term()
+    assert not server.is_alive()

@@ -1,0 +1,52 @@
+"""The typed config loader: defaults, the shipped configs, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, KvmeshConfig, config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_local_yaml_loads_and_describes_the_smollm2_layout():
+    config = load_config(ROOT / "configs" / "local.yaml")
+    layout = config.store_layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (30, 3, 64)
+    assert layout.page_tokens == config.cache.page_tokens == 16
+    assert layout.page_bytes == 30 * 2 * 3 * 16 * 64 * 4
+
+
+def test_empty_mapping_gives_defaults():
+    assert config_from_dict({}) == KvmeshConfig()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"cache": {"page_tokn": 16}}, "unknown key 'cache.page_tokn'"),
+        ({"modle": {}}, "unknown key 'modle'; known: cache, model, store"),
+        ({"cache": {"page_tokens": "16"}}, "cache.page_tokens must be int, got '16'"),
+        ({"cache": {"page_tokens": True}}, "cache.page_tokens must be int"),
+        ({"cache": {"page_tokens": 0}}, "page_tokens must be positive, got 0"),
+        ({"cache": {"eviction_policy": "fifo"}}, "known: deepest, lfu, lru"),
+        ({"store": {"num_pages": -1}}, "store.num_pages must be positive, got -1"),
+        ({"store": {"dtype": "int8"}}, "store.dtype must be"),
+        ({"model": []}, "model must be a mapping, got list"),
+        ([], "config must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_key(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config_from_dict(data)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache:\n  chunk_tokens: -4\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*chunk_tokens must be >= 0, got -4"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")

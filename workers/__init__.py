@@ -1,0 +1,1 @@
+"""Worker side of kvmesh: page store, local prefix cache, client, transfer, model runner."""
