@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
 
 BENCHMARKS: dict[str, str] = {
     "local": "the local prefix cache against an allocator that shares nothing",
+    "lookup": "index lookups over ZMQ against a bare msgpack echo server",
+    "copy": "page copies between workers against plain copies of the same bytes",
 }
 
 
 def _bench_runner(name: str) -> Callable[[], dict]:
     # Imported on demand: each benchmark pulls in only what it measures.
-    if name == "local":
-        from benchmarks.local import run
-
-        return run
-    raise AssertionError(name)
+    module = importlib.import_module(f"benchmarks.{name}")
+    return module.run
 
 
 def _print_table(figures: dict) -> None:
@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print only the JSON line")
     bench.set_defaults(func=cmd_bench)
+    replay = commands.add_parser(
+        "replay", help="replay a Mooncake trace through the real index and local caches"
+    )
+    from benchmarks import replay as replay_module
+
+    replay_module.add_arguments(replay)
+    replay.set_defaults(func=replay_module.main)
     return parser
 
 

@@ -409,9 +409,15 @@ class PrefixCache:
             events, self._events = self._events, []
             return events
 
-    def snapshot(self) -> list[PagesStored]:
-        """Every published page as PagesStored chains, parents before children (resync)."""
+    def snapshot(self, drain_events: bool = False) -> list[PagesStored]:
+        """Every published page as PagesStored chains, parents before children (resync).
+
+        With `drain_events`, pending events are dropped in the same critical section: the
+        snapshot already contains their effect, so a resync can replace them.
+        """
         with self._lock:
+            if drain_events:
+                self._events = []
             chains: list[PagesStored] = []
             for namespace, root in self._roots.items():
                 stack = [(child, None) for child in root.iter_children()]

@@ -1,0 +1,244 @@
+"""`kvmesh bench lookup`: index lookups over ZMQ against a bare msgpack echo server.
+
+Side by side in one run, on the same kind of socket (ROUTER on loopback, DEALER clients)
+with the same request frames:
+
+- the service: the real `ServiceServer` over a `GlobalIndex` holding 10,000 cached
+  prompts of 2,048 tokens (16-token pages; 100 shared 512-token system prompts, each
+  prompt stored by one of 4 workers), answering `match` requests with the codec's checks;
+- the echo: a ROUTER that msgpack-decodes each request and answers with a msgpack-encoded
+  canned reply of the same shape and size as the service's answer, without any checks or
+  index work.
+
+4 client processes each keep one request in flight, decode every reply with the real
+codec, and count replies for a fixed time. Each server runs in a process of its own.
+The phases alternate (echo, service, echo, service) so drift in the machine's load hits
+both alike; `ratio` is the service's request rate over the echo's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from cache_service import protocol
+from cache_service.events import Namespace, PagesStored
+from cache_service.index import GlobalIndex
+from cache_service.server import ServerConfig, ServiceServer
+
+PAGE_TOKENS = 16
+PROMPT_TOKENS = 2048
+PROMPTS = 10_000
+SYSTEM_PROMPTS = 100
+SYSTEM_TOKENS = 512
+WORKERS = 4
+CLIENTS = 4
+PHASE_S = 3.0
+QUERIES = 256  # distinct request frames each client cycles through
+NAMESPACE = Namespace("bench-lookup")
+VOCAB = 49_152
+
+
+def make_prompt_tokens(count: int, seed: int = 0) -> np.ndarray:
+    """(count, PROMPT_TOKENS) int32: system prompt i % 100, then a random suffix."""
+    rng = np.random.default_rng(seed)
+    systems = rng.integers(0, VOCAB, (SYSTEM_PROMPTS, SYSTEM_TOKENS), dtype=np.int32)
+    suffixes = rng.integers(0, VOCAB, (count, PROMPT_TOKENS - SYSTEM_TOKENS), dtype=np.int32)
+    return np.concatenate([systems[np.arange(count) % SYSTEM_PROMPTS], suffixes], axis=1)
+
+
+def build_index(prompts: np.ndarray) -> GlobalIndex:
+    """The index as 4 workers' real event streams would leave it."""
+    index = GlobalIndex(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600.0)
+    system_pages = SYSTEM_TOKENS // PAGE_TOKENS
+    suffix_pages = (PROMPT_TOKENS - SYSTEM_TOKENS) // PAGE_TOKENS
+    next_page = [0] * WORKERS
+    system_tail: list[dict[int, int]] = [{} for _ in range(WORKERS)]
+    seq = [0] * WORKERS
+    for w in range(WORKERS):
+        index.register(f"w{w}", 1, "node-0")
+    for j, prompt in enumerate(prompts):
+        w, s = j % WORKERS, j % SYSTEM_PROMPTS
+        events = []
+        if s not in system_tail[w]:
+            ids = tuple(range(next_page[w], next_page[w] + system_pages))
+            next_page[w] += system_pages
+            events.append(_stored(None, ids, prompt[:SYSTEM_TOKENS]))
+            system_tail[w][s] = ids[-1]
+        ids = tuple(range(next_page[w], next_page[w] + suffix_pages))
+        next_page[w] += suffix_pages
+        events.append(_stored(system_tail[w][s], ids, prompt[SYSTEM_TOKENS:]))
+        seq[w] += 1
+        result = index.apply_events(f"w{w}", 1, seq[w], events)
+        assert result.applied, result
+    return index
+
+
+def _stored(parent: int | None, ids: tuple[int, ...], tokens: np.ndarray) -> PagesStored:
+    return PagesStored(NAMESPACE, parent, ids, (1,) * len(ids), tuple(tokens.tolist()))
+
+
+def request_frames(prompts: np.ndarray) -> list[bytes]:
+    frames = []
+    for i in range(QUERIES):
+        body = {
+            "namespace": NAMESPACE,
+            "tokens": protocol.pack_tokens(prompts[(i * 37) % len(prompts)]),
+            "requester": f"w{i % WORKERS}",
+        }
+        frames.append(protocol.encode(protocol.Message(protocol.MATCH, i + 1, body)))
+    return frames
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _service_process(conn) -> None:
+    prompts = make_prompt_tokens(PROMPTS)
+    before = _rss_bytes()
+    index = build_index(prompts)
+    grown = _rss_bytes() - before
+    packed = [protocol.pack_tokens(p) for p in prompts[:QUERIES]]
+    start = time.perf_counter()
+    rounds = 0
+    while time.perf_counter() - start < 1.0:
+        for tokens in packed:
+            index.match(NAMESPACE, tokens)
+        rounds += 1
+    pages_per_s = (
+        rounds * len(packed) * (PROMPT_TOKENS // PAGE_TOKENS) / (time.perf_counter() - start)
+    )
+    server = ServiceServer(index, ServerConfig(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600))
+    address = server.start()
+    # The echo's canned answer: what the service answers for a full hit, re-encoded plainly.
+    canned = msgpack.unpackb(server.handle([request_frames(prompts)[0]]), raw=False)
+    conn.send(
+        {
+            "address": address,
+            "pages": index.num_pages,
+            "bytes_per_page": grown / index.num_pages,
+            "inprocess_pages_per_s": pages_per_s,
+            "canned": canned,
+            "matched_tokens": canned["b"]["matched_tokens"],
+        }
+    )
+    conn.recv()  # wait for "stop"
+    server.stop()
+    index.check_integrity()
+    conn.send("stopped")
+
+
+def _echo_process(conn, canned: dict[str, Any]) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.linger = 0
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    while not conn.poll():
+        if poller.poll(100):
+            for _ in range(256):
+                try:
+                    identity, frame = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                request = msgpack.unpackb(frame, raw=False)
+                canned["id"] = request["id"]
+                socket.send_multipart([identity, msgpack.packb(canned)])
+    socket.close(linger=0)
+    context.term()
+
+
+def _client_process(address: str, frames: list[bytes], duration: float, start_at: float, out):
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect(address)
+    latencies = []
+    while time.time() < start_at:
+        time.sleep(0.001)
+    end = time.perf_counter() + duration
+    i = 0
+    while (now := time.perf_counter()) < end:
+        socket.send(frames[i % len(frames)])
+        reply = protocol.decode(socket.recv(), "reply")
+        assert reply.type == protocol.OK, reply
+        latencies.append(time.perf_counter() - now)
+        i += 1
+    socket.close(linger=0)
+    context.term()
+    out.put(latencies)
+
+
+def _phase(address: str, frames: list[bytes], ctx) -> list[float]:
+    out = ctx.Queue()
+    start_at = time.time() + 0.5  # all clients start together
+    clients = [
+        ctx.Process(target=_client_process, args=(address, frames, PHASE_S, start_at, out))
+        for _ in range(CLIENTS)
+    ]
+    for client in clients:
+        client.start()
+    latencies = [lat for _ in clients for lat in out.get(timeout=PHASE_S + 60)]
+    for client in clients:
+        client.join()
+    return latencies
+
+
+def run(log=sys.stderr) -> dict[str, float]:
+    """Run the benchmark; returns the named figures (also the JSON line of the CLI)."""
+    ctx = mp.get_context("spawn")
+    print(f"building an index of {PROMPTS} prompts of {PROMPT_TOKENS} tokens...", file=log)
+    service_conn, child = ctx.Pipe()
+    service = ctx.Process(target=_service_process, args=(child,))
+    service.start()
+    info = service_conn.recv()
+    assert info["matched_tokens"] == PROMPT_TOKENS, info["matched_tokens"]
+    echo_conn, child = ctx.Pipe()
+    echo = ctx.Process(target=_echo_process, args=(child, info["canned"]))
+    echo.start()
+    echo_address = echo_conn.recv()
+    frames = request_frames(make_prompt_tokens(PROMPTS))
+
+    service_lat: list[float] = []
+    echo_lat: list[float] = []
+    service_s = echo_s = 0.0
+    for round_ in range(2):
+        print(f"round {round_ + 1}/2: echo, then service ({PHASE_S:.0f}s each)...", file=log)
+        echo_lat += _phase(echo_address, frames, ctx)
+        echo_s += PHASE_S
+        service_lat += _phase(info["address"], frames, ctx)
+        service_s += PHASE_S
+    echo_conn.send("stop")
+    echo.join()
+    service_conn.send("stop")
+    assert service_conn.recv() == "stopped"
+    service.join()
+
+    lookups_per_s = len(service_lat) / service_s
+    echo_per_s = len(echo_lat) / echo_s
+    quantiles = statistics.quantiles(service_lat, n=100)
+    return {
+        "clients": CLIENTS,
+        "prompts": PROMPTS,
+        "pages_indexed": info["pages"],
+        "lookups_per_s": round(lookups_per_s, 1),
+        "echo_per_s": round(echo_per_s, 1),
+        "ratio": round(lookups_per_s / echo_per_s, 3),
+        "p50_us": round(quantiles[49] * 1e6, 1),
+        "p99_us": round(quantiles[98] * 1e6, 1),
+        "echo_p50_us": round(statistics.median(echo_lat) * 1e6, 1),
+        "inprocess_pages_per_s": round(info["inprocess_pages_per_s"]),
+        "bytes_per_page": round(info["bytes_per_page"], 1),
+    }
