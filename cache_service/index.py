@@ -3,41 +3,65 @@
 The service holds metadata only, never KV bytes. Workers stream `PagesStored` /
 `PagesRemoved` / `AllCleared` events (see `events.py`); the index turns them into one
 page-granular trie per `Namespace` and answers, for a prompt, the longest prefix of full
-pages that some live worker holds, page by page with its holders:
+pages that some live worker holds, as one span per holder:
 
     prompt tokens    |<- page 0 ->|<- page 1 ->|<- page 2 ->|<- page 3 ->|<-partial->|
-    index holders    |  w1, w2    |  w1, w2    |  w2        |  (none)    |  no node  |
+    w2 holds         |  page 3    |  page 4    |  page 8    |            |
+    w1 holds         |  page 10   |  page 11   |            |            |
     match            |<------------ matched_tokens -------->|
     requester w1     |<-- local hit ---------->|<- remote ->|<-- miss -->|<- lost -->|
+    spans            HolderSpan("w2", tier, (3, 4, 8), gens), HolderSpan("w1", tier, (10, 11), gens)
 
-"lost" (alignment_lost_tokens) is the trailing partial page: page granularity cannot serve
-it whatever is cached. For every query, queried = hit + miss + alignment_lost, and
-hit = local + remote.
+Each worker's holdings are prefix-closed (a worker that holds a page holds its parent), so
+along one prompt every holder holds a leading run of the matched pages, and one span per
+holder says it all. "lost" (alignment_lost_tokens) is the trailing partial page: page
+granularity cannot serve it whatever is cached. For every query, queried = hit + miss +
+alignment_lost, and hit = local + remote.
 
-Storage is a struct of arrays rather than one object per node, because the index holds
-about a million pages and a Python object per node (plus its dict of children) costs
-several hundred bytes. A node is an int id. Its key is the bytes of its parent's id
-(int32) followed by its page's tokens (int32 each, little-endian: the wire format), and
-one dict maps key -> node id for the whole index. A lookup therefore compares the stored
-tokens exactly (dict equality on the bytes), never a hash alone, and the parent id in the
-key keeps namespaces (each rooted at its own node) apart. The first holder of a node
-lives in arrays; further holders, rare in comparison, live in a side dict.
+Storage is a struct of numpy columns indexed by node id (an int), not one object per
+node: the index holds about a million pages, and a Python object per node costs several
+hundred bytes. Scalar code reads and writes the columns through memoryviews (as fast as
+array.array); `match` reads them for all pages of a prompt at once.
 
-Invariant (checked by `check_integrity`): each worker's holdings are prefix-closed, i.e. a
-worker that holds a node holds its parent too. A worker's events only ever hang pages
-under its own pages, and dropping a page drops the worker's holdings beneath it, so a
-node with no holders never has holders below it and is removed at once, leaf-up.
+Finding a prompt's nodes: every node has a 64-bit prefix key,
+
+    key(page i of a prompt) = root key + sum(coefficient[t] * token[t] for t < (i + 1) * P)
+
+(mod 2**64, with secret random coefficients per token position and a root key per
+namespace). A key table (open addressing in numpy arrays) maps keys to nodes, but a key
+only names candidates: a page counts as matched only once its stored tokens equal the
+prompt's and its parent is the previous matched node, so a hash collision can cost time,
+never make a hit.
+
+Pages published in one chain get consecutive node ids, so `match` walks a prompt by runs:
+the key of a run's first page finds its node, and the following node ids extend the run as
+far as they continue the chain (a flag per node) and hold the prompt's next pages (one
+bytes comparison). A 128-page prompt published at once is one run, a dozen operations. A
+path fragmented into many runs is finished with all remaining keys at once (`_lookup`: one
+numpy multiply and cumulative sum, a vectorised probe of the key table, one vectorised
+check).
+
+Holders: each node has four inline holder columns (worker slot, page id, generation) and a
+side dict for more holders. A worker keeps one column along its whole path: the column of a
+page's holding is the column of its parent's holding, and only a first page picks a free
+column. Two workers never compete for a column (the one already there would hold the parent
+in that column too), so along a prompt column c belongs to one worker, and a span is a
+slice (or gather) of column c over the matched nodes.
+
+Invariants (checked by `check_integrity`): each worker's holdings are prefix-closed and
+column-consistent; a node with no holders never has holders below it and is removed at once,
+leaf-up; every page node is in the key table once, under its key.
 """
 
 from __future__ import annotations
 
 import math
-import struct
+import os
 import sys
 import time
 import tracemalloc
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,39 +77,74 @@ from cache_service.events import (
 
 TokenInput = Sequence[int] | bytes | bytearray | memoryview | np.ndarray
 
-_NODE_ID = struct.Struct("<i")  # the parent-id prefix of every child key
-_NONE = -1  # "no node" / "no holder" inside the int arrays, never outside this module
+_NONE = -1  # "no node" / "no holder" inside the int columns, never outside this module
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MAX = 2**63 - 1
+_MASK64 = 2**64 - 1
+_TOKEN_DTYPE = np.dtype("<i4")  # the wire format of token ids, and of stored pages
 # Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
 # is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
 _DENSE_PAGE_LIMIT = 1 << 22
+# Inline holder columns per node. Four covers a page shared by a handful of workers
+# without touching the side dict; each column costs 14 bytes a node.
+_INLINE_HOLDERS = 4
+_EXTRA = _INLINE_HOLDERS  # the "column" of a holding kept in the side dict
+_MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
+_NO_NODES = np.zeros(0, np.intp)
+# A path walked as more segments than this is finished with the vectorised lookup.
+_MAX_SEGMENTS = 4
 _BIG_ENDIAN = sys.byteorder == "big"
 _new_tuple = tuple.__new__
 
 assert array("i").itemsize == 4, "array('i') must be 32-bit to pack int32 tokens"
 
 
-class Holder(NamedTuple):
-    """One worker's copy of a page: where to fetch it and how to validate the copy."""
+class HolderSpan(NamedTuple):
+    """One worker's copy of the first pages of a match: where to fetch them, how to check.
+
+    The worker holds prompt pages 0 .. len(page_ids) - 1; `page_ids[i]` is prompt page i in
+    the worker's own page store, `generations[i]` its generation when it was published.
+    """
 
     worker_id: str
-    page_id: int  # the page id in the worker's own page store
-    generation: int  # the page's generation when it was published
-    tier: str  # e.g. "cpu" or "gpu"
-
-
-class PageMatch(NamedTuple):
-    """One matched page: its holders, in the order they stored it."""
-
-    holders: tuple[Holder, ...]
+    tier: str  # the memory tier the worker registered, e.g. "cpu" or "gpu"
+    page_ids: tuple[int, ...]
+    generations: tuple[int, ...]  # same length as page_ids
 
 
 class MatchResult(NamedTuple):
-    """The longest cached prefix of full pages; `pages[i]` covers tokens [i*P, (i+1)*P)."""
+    """The longest cached prefix of full pages and who holds it.
+
+    `spans` has one entry per live holder of at least page 0, longest first, then by
+    worker id; the longest covers all `matched_tokens` (page_tokens * its length).
+    """
 
     matched_tokens: int
-    pages: tuple[PageMatch, ...]
+    spans: tuple[HolderSpan, ...]
+
+
+class _Path(NamedTuple):
+    """The nodes of a match, in prompt order.
+
+    Pages published in one chain get consecutive node ids, so a path is usually one run
+    start .. start + length - 1 (`nodes` None), read with slices; else `nodes` lists them.
+    """
+
+    start: int
+    length: int
+    nodes: np.ndarray | None  # intp
+
+    def of(self, column: np.ndarray) -> np.ndarray:
+        """`column` at the path's nodes, in order (a view for a run)."""
+        if self.nodes is None:
+            return column[self.start : self.start + self.length]
+        return column[self.nodes]  # not take(): that copies a strided column whole first
+
+    def node(self, i: int) -> int:
+        return self.start + i if self.nodes is None else int(self.nodes[i])
+
+
+_NO_PATH = _Path(0, 0, None)
 
 
 class ApplyResult(NamedTuple):
@@ -165,7 +224,7 @@ def pack_tokens(tokens: TokenInput) -> bytes:
             raise ValueError(
                 f"token ids must fit int32, got range [{tokens.min()}, {tokens.max()}]"
             )
-        return tokens.astype("<i4", copy=False).tobytes()
+        return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
     try:
         packed = array("i", tokens)
     except OverflowError:
@@ -245,7 +304,7 @@ class _Worker:
 
     def __init__(self, worker_id: str, slot: int, epoch: int, node_id: str, tier: int):
         self.worker_id = worker_id
-        self.slot = slot  # the worker's number in the holder arrays
+        self.slot = slot  # the worker's number in the holder columns
         self.epoch = epoch
         self.node_id = node_id
         self.tier = tier  # tier code of the pages it stores
@@ -273,8 +332,8 @@ class _Counters:
         for name in _COUNTERS:
             setattr(self, name, 0)
 
-    def add(self, queried: int, hit: int, local: int, lost: int) -> None:
-        self.queries += 1
+    def add(self, queries: int, queried: int, hit: int, local: int, lost: int) -> None:
+        self.queries += queries
         self.queried_tokens += queried
         self.hit_tokens += hit
         self.local_hit_tokens += local
@@ -284,6 +343,172 @@ class _Counters:
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in _COUNTERS}
+
+
+# ---- prefix keys ---------------------------------------------------------------------------
+
+
+def _draw_coefficients(rng: np.random.Generator, count: int) -> np.ndarray:
+    """`count` random even int64 coefficients, one per token position.
+
+    Even coefficients and odd root keys keep every key odd, so 0 can mark an empty slot of
+    the key table.
+    """
+    drawn = rng.integers(-(2**63), 2**63 - 1, size=count, dtype=np.int64, endpoint=True)
+    return drawn & np.int64(-2)
+
+
+def _root_key(secret: int, namespace: Namespace) -> int:
+    """The key of a namespace's root: odd, and the same whenever the root is re-created
+    (keys computed before a root was pruned stay valid)."""
+    return hash((secret, namespace)) | 1
+
+
+# ---- the key table -------------------------------------------------------------------------
+
+_TABLE_MIN_BITS = 10
+_TABLE_PAD = 64  # slots past the last home slot: probes run on into them, never wrap around
+_WINDOW = np.arange(8, dtype=np.intp)  # slots a vectorised lookup reads per key
+
+
+class _KeyTable:
+    """Prefix key -> node id, a multimap in two numpy arrays (open addressing, linear probing).
+
+    A Python dict of int -> int costs about 100 bytes an entry (two int objects and the
+    entry); this table costs 12 bytes a slot at a load between 1/8 and 1/2, and it looks up
+    all keys of a prompt in a dozen numpy operations. Keys are odd, so 0 marks an empty
+    slot. Equal keys may repeat (two different prefixes whose keys collide): lookups return
+    candidates, and the caller compares tokens and parents exactly. Probing never wraps
+    around: the arrays run on past the last home slot, and the last slot is always empty, so
+    every probe ends at an empty slot.
+    """
+
+    __slots__ = ("size", "_bits", "_shift", "_keys", "_nodes", "_keys_arr", "_nodes_arr")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._place(_TABLE_MIN_BITS, np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    def insert(self, key: int, node: int) -> None:
+        if 2 * (self.size + 1) > 1 << self._bits:
+            self._place_all(self._bits + 1)
+        keys = self._keys
+        slot = self._home(key)
+        while keys[slot]:
+            slot += 1
+        if slot == len(keys) - 1:  # keep the last slot empty: lay the table out afresh
+            self._place_all(self._bits)
+            self.insert(key, node)
+            return
+        keys[slot] = key
+        self._nodes[slot] = node
+        self.size += 1
+
+    def remove(self, key: int, node: int) -> None:
+        keys, nodes = self._keys, self._nodes
+        slot = self._home(key)
+        while keys[slot] != key or nodes[slot] != node:
+            assert keys[slot], f"node {node} is not in the key table under {key}"
+            slot += 1
+        # Backward-shift deletion: pull later entries of the run into the hole when their
+        # home allows, so no tombstones are needed and every probe still ends at a gap.
+        hole, slot = slot, slot + 1
+        while moved := keys[slot]:
+            if self._home(moved) <= hole:
+                keys[hole], nodes[hole] = moved, nodes[slot]
+                hole = slot
+            slot += 1
+        keys[hole] = 0
+        self.size -= 1
+        if self._bits > _TABLE_MIN_BITS and 8 * self.size < 1 << self._bits:
+            self._place_all(self._bits - 1)
+
+    def candidates(self, key: int) -> Iterator[int]:
+        """The nodes stored under `key`, in probe order."""
+        keys, nodes = self._keys, self._nodes
+        slot = self._home(key)
+        while found := keys[slot]:
+            if found == key:
+                yield nodes[slot]
+            slot += 1
+
+    def find_run(self, keys: np.ndarray) -> np.ndarray:
+        """For the longest leading run of `keys` present in the table, each one's first node.
+
+        Args:
+            keys: int64 keys, in prompt order.
+
+        Returns:
+            The node ids (intp), possibly shorter than `keys`; candidates to verify.
+        """
+        home = (keys.view(np.uint64) >> np.uint64(self._shift)).view(np.intp)
+        window = self._keys_arr.take(home[:, None] + _WINDOW)  # (pages, 8)
+        found = window == keys[:, None]
+        slots = home + found.argmax(1)
+        hit = found.any(1)
+        run = 0
+        while not hit[run:].all():
+            run += int(hit[run:].argmin())
+            if not window[run].all():  # an empty slot in the window: the key is absent
+                break
+            slot = self._probe(int(keys[run]), int(home[run]) + len(_WINDOW))
+            if slot is None:
+                break
+            slots[run] = slot
+            run += 1
+        else:
+            run = len(keys)
+        return self._nodes_arr.take(slots[:run]).astype(np.intp)
+
+    def check(self) -> tuple[np.ndarray, np.ndarray]:
+        """Check the layout; the (keys, nodes) of the occupied slots."""
+        keys = self._keys_arr
+        occupied = np.flatnonzero(keys)
+        assert len(occupied) == self.size, f"{len(occupied)} keys stored, size {self.size}"
+        assert keys[-1] == 0, "the key table's last slot is occupied"
+        assert len(keys) >= (1 << self._bits) + len(_WINDOW), "the key table lost its padding"
+        home = (keys[occupied].view(np.uint64) >> np.uint64(self._shift)).astype(np.intp)
+        assert (home <= occupied).all(), "a key sits before its home slot"
+        # No empty slot between a key's home and the key: else probes would stop short.
+        empty_through = np.cumsum(keys == 0)
+        gapless = (keys[home] != 0) & (empty_through[occupied] == empty_through[home])
+        assert gapless.all(), "a probe run has a gap"
+        assert (keys[occupied] & 1).all(), "an even key"
+        return keys[occupied], self._nodes_arr[occupied].astype(np.intp)
+
+    def _home(self, key: int) -> int:
+        return (key & _MASK64) >> self._shift
+
+    def _probe(self, key: int, slot: int) -> int | None:
+        keys = self._keys
+        while found := keys[slot]:
+            if found == key:
+                return slot
+            slot += 1
+        return None
+
+    def _place_all(self, bits: int) -> None:
+        occupied = np.flatnonzero(self._keys_arr)
+        self._place(bits, self._keys_arr[occupied], self._nodes_arr[occupied])
+
+    def _place(self, bits: int, keys: np.ndarray, nodes: np.ndarray) -> None:
+        """Lay out the entries afresh in a table of 2**bits home slots, vectorised.
+
+        Inserting entries in order of home slot puts entry i at max(home[i], slot[i-1] + 1),
+        which is i + the running maximum of home[i] - i.
+        """
+        shift = 64 - bits
+        home = (keys.view(np.uint64) >> np.uint64(shift)).astype(np.intp)
+        order = np.argsort(home, kind="stable")
+        ranks = np.arange(len(order))
+        slots = np.maximum.accumulate(home[order] - ranks) + ranks
+        last = int(slots[-1]) + 1 if len(slots) else 0
+        self._keys_arr = np.zeros(max(1 << bits, last) + _TABLE_PAD, np.int64)
+        self._nodes_arr = np.zeros(len(self._keys_arr), np.int32)
+        self._keys_arr[slots] = keys[order]
+        self._nodes_arr[slots] = nodes[order]
+        self._keys, self._nodes = memoryview(self._keys_arr), memoryview(self._nodes_arr)
+        self._bits, self._shift = bits, shift
 
 
 class GlobalIndex:
@@ -315,24 +540,37 @@ class GlobalIndex:
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
         self._page_bytes = 4 * page_tokens
-        # Nodes, a struct of arrays indexed by node id.
-        self._keys: list[bytes | None] = []  # parent id + page tokens; None: root or free
-        self._parent = array("i")
-        self._first_child = array("i")
-        self._next_sibling = array("i")
-        self._prev_sibling = array("i")
-        self._holder_slot = array("i")  # first holder, inline; _NONE: no holder
-        self._holder_page = array("q")
-        self._holder_generation = array("q")
-        self._holder_tier = array("B")
-        self._last_access = array("q")  # logical clock, see self._clock
-        # The second and later holders of a node: (slot, page, generation, tier).
-        self._extra_holders: dict[int, list[tuple[int, int, int, int]]] = {}
-        self._children: dict[bytes, int] = {}  # key -> node id, every non-root node
+        # Prefix keys: secret, so no client can aim collisions at the key table.
+        self._secret = int.from_bytes(os.urandom(8), "little")
+        self._rng = np.random.default_rng(self._secret)
+        self._coefficients = np.zeros(0, np.int64)  # one per token position, grown on demand
+        self._table = _KeyTable()
+        # Nodes: numpy columns indexed by node id (`_x_arr`), read and written one value at
+        # a time through memoryviews of them (`_x`); `_grow` replaces both together.
+        self._capacity = 0
+        self._allocated = 0  # node ids handed out so far; the free ones are in _free_nodes
+        self._tokens_arr = np.zeros((0, page_tokens), _TOKEN_DTYPE)  # (nodes, page_tokens)
+        self._parent_arr = np.zeros(0, np.intp)
+        self._first_child_arr = np.zeros(0, np.int32)
+        self._next_sibling_arr = np.zeros(0, np.int32)
+        self._prev_sibling_arr = np.zeros(0, np.int32)
+        self._key_arr = np.zeros(0, np.int64)  # prefix key; a root's is its namespace's
+        self._depth_arr = np.zeros(0, np.int32)  # pages from the root: 1 for a first page
+        self._last_access_arr = np.zeros(0, np.int64)  # logical clock, see self._clock
+        self._holder_count_arr = np.zeros(0, np.int16)  # inline + side-dict holders
+        self._chained_arr = np.zeros(0, np.uint8)  # 1: the node's parent is node id - 1
+        # Inline holders: (nodes, columns), so the spans of one path share cache lines.
+        self._holder_slot_arr = np.zeros((0, _INLINE_HOLDERS), np.int16)  # _NONE: empty
+        self._holder_page_arr = np.zeros((0, _INLINE_HOLDERS), np.int32)
+        self._holder_generation_arr = np.zeros((0, _INLINE_HOLDERS), np.int64)
+        self._grow(64)
+        # Holders beyond the inline columns: node -> [(slot, page, generation)].
+        self._extra_holders: dict[int, list[tuple[int, int, int]]] = {}
         self._roots: dict[Namespace, int] = {}
         self._root_namespace: dict[int, Namespace] = {}
         self._free_nodes: list[int] = []
         self._num_pages = 0
+        self._max_depth = 0  # no prompt matches deeper than the deepest node ever made
         self._clock = 0
         # Workers.
         self._workers: dict[str, _Worker] = {}
@@ -340,10 +578,9 @@ class GlobalIndex:
         self._free_slots: list[int] = []
         self._tiers: list[str] = []
         self._tier_codes: dict[str, int] = {}
-        # Statistics.
-        self._cluster = _Counters()
-        self._by_worker: dict[str, _Counters] = {}
-        self._by_tenant: dict[str, _Counters] = {}
+        # Statistics: (tenant salt, requester) -> [queries, queried, hit, local, lost]
+        # tokens, summed up by `stats` (a match updates one list, not three counter sets).
+        self._tallies: dict[tuple[str, str | None], list[int]] = {}
         self._events = {"batches": 0, "duplicates": 0, "resyncs_requested": 0, "resyncs": 0}
         self._removed_workers: dict[str, int] = {}
 
@@ -366,14 +603,15 @@ class GlobalIndex:
             worker_id: the worker's name, unique in the cluster.
             epoch: the incarnation, increasing on every worker restart.
             node_id: the cluster node the worker runs on.
-            tier: the memory tier its pages live in (recorded on each holder).
+            tier: the memory tier its pages live in (reported on its spans).
             now: the current time in seconds (default: time.monotonic()).
 
         Returns:
             A Registration; the next event batch carries seq `last_seq + 1`.
 
         Raises:
-            ValueError: epoch older than the registered one, or more than 256 tiers.
+            ValueError: epoch older than the registered one, more than 256 tiers, or more
+                than 32,767 workers registered at once.
         """
         now = time.monotonic() if now is None else now
         tier_code = self._tier_code(tier)
@@ -381,6 +619,8 @@ class GlobalIndex:
         dropped = 0
         if worker is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            if slot >= _MAX_SLOTS:
+                raise ValueError(f"cannot register {worker_id!r}: {_MAX_SLOTS} workers live")
             worker = _Worker(worker_id, slot, epoch, node_id, tier_code)
             if slot == len(self._slots):
                 self._slots.append(worker)
@@ -584,7 +824,7 @@ class GlobalIndex:
     def match(
         self, namespace: Namespace, tokens: TokenInput, requester: str | None = None
     ) -> MatchResult:
-        """The longest prefix of full pages cached by any live worker, page by page.
+        """The longest prefix of full pages cached by any live worker, as one span per holder.
 
         Counts the query in the statistics (cluster, tenant = namespace.salt, requester)
         and refreshes the last access of the matched pages.
@@ -595,28 +835,32 @@ class GlobalIndex:
             requester: the asking worker: pages it holds itself count as local hits.
 
         Returns:
-            A MatchResult; its holders are live workers only.
+            A MatchResult; its spans name live workers only.
 
         Raises:
             TypeError: namespace is not a Namespace.
             ValueError: tokens not int32 (or bytes not a multiple of 4 long).
         """
         data = self._checked(namespace, tokens)
-        requester_slot = self._requester_slot(requester)
+        path = self._path(namespace, data)
         self._clock += 1
-        clock, last_access, holder_slot = self._clock, self._last_access, self._holder_slot
-        pages: list[PageMatch] = []
+        spans: tuple[HolderSpan, ...] = ()
         local = 0
-        for node in self._walk(namespace, data):
-            last_access[node] = clock
-            pages.append(_new_tuple(PageMatch, (self._holders(node),)))
-            if holder_slot[node] == requester_slot or (
-                node in self._extra_holders and self._held_page(node, requester_slot) is not None
-            ):
-                local += 1
-        matched = len(pages) * self.page_tokens
+        if path.length:
+            if path.nodes is None:
+                self._last_access_arr[path.start : path.start + path.length] = self._clock
+            else:
+                self._last_access_arr.put(path.nodes, self._clock)
+            runs = self._runs(path)
+            requester_slot = self._requester_slot(requester)
+            local = next((held for slot, held, _ in runs if slot == requester_slot), 0)
+            built = [self._span(path, slot, held, column) for slot, held, column in runs]
+            if len(built) > 1:
+                built.sort(key=_span_order)
+            spans = tuple(built)
+        matched = path.length * self.page_tokens
         self._record(namespace, requester, len(data) // 4, matched, local * self.page_tokens)
-        return MatchResult(matched, tuple(pages))
+        return _new_tuple(MatchResult, (matched, spans))
 
     def route(
         self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
@@ -661,7 +905,8 @@ class GlobalIndex:
                 candidates[worker.slot] = (worker_id, float(load))
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
-        held = self._held_prefix_pages(namespace, data, set(candidates))
+        path = self._path(namespace, data)
+        held = {slot: pages for slot, pages, _ in self._runs(path)} if path.length else {}
         prompt_tokens = len(data) // 4
 
         def rank(slot: int) -> tuple[float, float, str]:
@@ -694,9 +939,17 @@ class GlobalIndex:
             where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
             remote_hit_tokens, miss_tokens, alignment_lost_tokens.
         """
+        cluster = _Counters()
+        tenants: dict[str, _Counters] = {}
+        requesters: dict[str, _Counters] = {}
+        for (salt, requester), tally in self._tallies.items():
+            cluster.add(*tally)
+            tenants.setdefault(salt, _Counters()).add(*tally)
+            if requester is not None:
+                requesters.setdefault(requester, _Counters()).add(*tally)
         workers: dict[str, dict] = {}
-        for worker_id in sorted(set(self._by_worker) | set(self._workers)):
-            counters = self._by_worker.get(worker_id) or _Counters()
+        for worker_id in sorted(set(requesters) | set(self._workers)):
+            counters = requesters.get(worker_id) or _Counters()
             worker = self._workers.get(worker_id)
             workers[worker_id] = counters.as_dict() | {
                 "pages": worker.pages.size if worker else 0,
@@ -707,49 +960,56 @@ class GlobalIndex:
             "pages": self._num_pages,
             "holdings": sum(worker.pages.size for worker in self._workers.values()),
             "workers_live": len(self._workers),
-            "cluster": self._cluster.as_dict(),
-            "tenants": {salt: c.as_dict() for salt, c in sorted(self._by_tenant.items())},
+            "cluster": cluster.as_dict(),
+            "tenants": {salt: c.as_dict() for salt, c in sorted(tenants.items())},
             "workers": workers,
             "events": dict(self._events),
             "removed_workers": dict(self._removed_workers),
         }
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless nodes, links, holders and reverse maps all agree."""
-        used = [False] * len(self._keys)
+        """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
+        used = np.zeros(self._allocated, bool)
         for namespace, root in self._roots.items():
             assert self._root_namespace.get(root) == namespace, f"root {root} of {namespace}"
             assert self._parent[root] == _NONE, f"root {root} has parent {self._parent[root]}"
             assert self._first_child[root] != _NONE, f"root {root} of {namespace} is empty"
+            assert self._depth[root] == 0, f"root {root} at depth {self._depth[root]}"
+            assert self._key[root] == _root_key(self._secret, namespace), f"root {root} key"
+            assert self._holder_count[root] == 0, f"root {root} has holders"
             used[root] = True
         assert len(self._root_namespace) == len(self._roots), (
             f"{len(self._root_namespace)} root namespaces for {len(self._roots)} roots"
         )
-        for key, node in self._children.items():
-            assert self._keys[node] is key or self._keys[node] == key, f"node {node} key"
-            parent = _NODE_ID.unpack_from(key)[0]
-            assert self._parent[node] == parent, (
-                f"node {node}: parent {self._parent[node]} but key names {parent}"
-            )
-            assert len(key) == 4 + self._page_bytes, f"node {node} key is {len(key)} bytes"
-            used[node] = True
-        assert len(self._children) == self._num_pages, (
-            f"{len(self._children)} keyed nodes but {self._num_pages} pages counted"
+        keys, pages = self._table.check()
+        assert len(pages) == self._num_pages, (
+            f"{len(pages)} nodes in the key table but {self._num_pages} pages counted"
         )
-        free = set(self._free_nodes)
-        assert len(free) == len(self._free_nodes), "a node is on the free list twice"
-        in_use = sum(used)
-        assert in_use + len(free) == len(self._keys), (
-            f"{in_use} nodes in use + {len(free)} free != {len(self._keys)} allocated"
+        assert not used[pages].any(), "a root is in the key table"
+        used[pages] = True
+        assert used.sum() == len(self._roots) + self._num_pages, "a node is in the key table twice"
+        assert (self._key_arr[pages] == keys).all(), (
+            "a node sits in the key table under a wrong key"
         )
-        for node in free:
-            assert not used[node], f"node {node} is both free and in use"
-            assert self._holder_slot[node] == _NONE, f"free node {node} has a holder"
+        free = np.array(self._free_nodes, np.intp)
+        assert len(set(self._free_nodes)) == len(free), "a node is on the free list twice"
+        assert not used[free].any(), "a node is both free and in use"
+        assert used.sum() + len(free) == self._allocated, (
+            f"{used.sum()} nodes in use + {len(free)} free != {self._allocated} allocated"
+        )
+        assert (self._holder_count_arr[free] == 0).all(), "a free node has holders"
+        parents = self._parent_arr[: self._allocated]
+        chained = used & (parents != _NONE) & (parents == np.arange(self._allocated) - 1)
+        assert (self._chained_arr[: self._allocated] == chained).all(), "a wrong chained flag"
+        assert (self._holder_slot_arr[free] == _NONE).all(), "a free node has inline holders"
         reached = self._check_links(used)
-        assert reached == in_use, f"{reached} nodes reachable from roots, {in_use} in use"
-        holdings = self._check_holders(used)
+        assert reached == used.sum(), f"{reached} nodes reachable from roots, {used.sum()} in use"
+        pages.sort()
+        self._check_keys(pages)
+        holdings = self._check_holders(pages)
         mapped = sum(worker.pages.size for worker in self._workers.values())
         assert holdings == mapped, f"{holdings} holders on nodes, {mapped} in reverse maps"
+        self._check_reverse_maps()
 
     # ---- internals: validation -----------------------------------------------------------
 
@@ -799,9 +1059,10 @@ class GlobalIndex:
 
     @staticmethod
     def _check_pages(page_ids: Sequence[int]) -> None:
+        # Page ids travel as int32 in match replies; page stores number pages from 0.
         for page in page_ids:
-            if not isinstance(page, int) or not 0 <= page <= _INT64_MAX:
-                raise ValueError(f"page ids must be ints in [0, 2**63), got {page!r}")
+            if not isinstance(page, int) or not 0 <= page <= _INT32_MAX:
+                raise ValueError(f"page ids must be ints in [0, 2**31), got {page!r}")
 
     def _refusal(self, worker: _Worker | None, epoch: int) -> ApplyResult | None:
         if worker is None:
@@ -830,25 +1091,61 @@ class GlobalIndex:
             parent = worker.pages.get(event.parent_page)
             if parent is None:
                 return "unknown_parent"
+        keys = self._chain_keys(self._key[parent], self._depth[parent], data).tolist()
+        # The worker's column on the parent is its column all along the chain.
+        column = None if event.parent_page is None else self._column_of(parent, worker.slot)
         size = self._page_bytes
         for i, (page, generation) in enumerate(zip(event.page_ids, event.generations, strict=True)):
-            key = _NODE_ID.pack(parent) + data[i * size : (i + 1) * size]
-            node = self._children.get(key)
+            tokens = data[i * size : (i + 1) * size]
+            node = self._child(parent, keys[i], tokens)
             old = worker.pages.get(page)
             if old is not None and old != node:
                 # The worker reused the page id: what it held there (and beneath) is gone.
                 if self._is_ancestor_or_self(old, parent):
                     return "page_conflict"
                 self._drop_subtree(worker, old)
-                if event.parent_page is None:  # the drop may have pruned an emptied root
+                if i == 0 and event.parent_page is None:  # the drop may have pruned the root
                     parent = self._root(event.namespace)
-                    key = _NODE_ID.pack(parent) + data[i * size : (i + 1) * size]
-                node = self._children.get(key)
+                node = self._child(parent, keys[i], tokens)
             if node is None:
-                node = self._new_node(parent, key)
-            self._add_holder(node, worker, page, generation)
+                node = self._new_node(parent, keys[i], tokens)
+            column = self._add_holder(node, worker, page, generation, column)
             self._last_access[node] = self._clock
             parent = node
+        return None
+
+    def _chain_keys(self, start: int, depth: int, data: bytes) -> np.ndarray:
+        """The prefix keys of the pages of `data`, hung below a node of key `start` at
+        `depth`.
+
+        key of page i = start + sum of coefficient * token over token positions from
+        depth * page_tokens to the end of page i, wrapping mod 2**64 (int64 arithmetic).
+        """
+        size = self.page_tokens
+        count = len(data) // self._page_bytes * size
+        first = depth * size
+        if len(self._coefficients) < first + count:
+            grown = max(first + count, 2 * len(self._coefficients), 4096)
+            extra = _draw_coefficients(self._rng, grown - len(self._coefficients))
+            self._coefficients = np.concatenate([self._coefficients, extra])
+        prefix = (
+            np.frombuffer(data, _TOKEN_DTYPE, count) * self._coefficients[first : first + count]
+        )
+        prefix[:1] += start
+        prefix.cumsum(out=prefix)
+        return prefix[size - 1 :: size]
+
+    def _child(self, parent: int, key: int, tokens: bytes) -> int | None:
+        """The child of `parent` whose page is exactly `tokens`, found through its key."""
+        if self._first_child[parent] == _NONE:  # e.g. the next page of a new chain
+            return None
+        size = self._page_bytes
+        for node in self._table.candidates(key):
+            if (
+                self._parent[node] == parent
+                and self._token_bytes[node * size : (node + 1) * size].tobytes() == tokens
+            ):
+                return node
         return None
 
     def _root(self, namespace: Namespace) -> int:
@@ -857,38 +1154,76 @@ class GlobalIndex:
 
     def _new_root(self, namespace: Namespace) -> int:
         root = self._allocate()
+        self._key[root] = _root_key(self._secret, namespace)
+        self._depth[root] = 0
         self._roots[namespace] = root
         self._root_namespace[root] = namespace
         return root
 
-    def _new_node(self, parent: int, key: bytes) -> int:
+    def _new_node(self, parent: int, key: int, tokens: bytes) -> int:
         node = self._allocate()
-        self._keys[node] = key
+        size = self._page_bytes
+        self._token_bytes[node * size : (node + 1) * size] = tokens
+        self._key[node] = key
+        depth = self._depth[node] = self._depth[parent] + 1
+        self._max_depth = max(self._max_depth, depth)
         self._parent[node] = parent
+        self._chained[node] = parent == node - 1
         first = self._first_child[parent]
         self._next_sibling[node] = first
         if first != _NONE:
             self._prev_sibling[first] = node
         self._first_child[parent] = node
-        self._children[key] = node
+        self._table.insert(key, node)
         self._num_pages += 1
         return node
 
     def _allocate(self) -> int:
+        """A node id with empty links and no holders."""
         if self._free_nodes:
             return self._free_nodes.pop()
-        node = len(self._keys)
-        self._keys.append(None)
-        self._parent.append(_NONE)
-        self._first_child.append(_NONE)
-        self._next_sibling.append(_NONE)
-        self._prev_sibling.append(_NONE)
-        self._holder_slot.append(_NONE)
-        self._holder_page.append(0)
-        self._holder_generation.append(0)
-        self._holder_tier.append(0)
-        self._last_access.append(0)
-        return node
+        if self._allocated == self._capacity:
+            # A quarter more each time: amortised O(1), and at most a fifth of the columns
+            # idle (doubling would leave up to half of them idle).
+            self._grow(self._capacity + self._capacity // 4 + 64)
+        self._allocated += 1
+        return self._allocated - 1
+
+    def _grow(self, capacity: int) -> None:
+        """Extend every node column to `capacity` nodes and rebind the memoryviews."""
+        self._tokens_arr = tokens = _grown(self._tokens_arr, capacity, 0)
+        # One page per element, for gathering the pages of a path in one `take`.
+        self._page_records = tokens.view(f"V{self._page_bytes}").reshape(capacity)
+        self._token_bytes = memoryview(tokens).cast("B")
+        self._parent_arr = _grown(self._parent_arr, capacity, _NONE)
+        self._first_child_arr = _grown(self._first_child_arr, capacity, _NONE)
+        self._next_sibling_arr = _grown(self._next_sibling_arr, capacity, _NONE)
+        self._prev_sibling_arr = _grown(self._prev_sibling_arr, capacity, _NONE)
+        self._key_arr = _grown(self._key_arr, capacity, 0)
+        self._depth_arr = _grown(self._depth_arr, capacity, 0)
+        self._last_access_arr = _grown(self._last_access_arr, capacity, 0)
+        self._holder_count_arr = _grown(self._holder_count_arr, capacity, 0)
+        self._chained_arr = _grown(self._chained_arr, capacity, 0)
+        self._holder_slot_arr = _grown(self._holder_slot_arr, capacity, _NONE)
+        self._holder_page_arr = _grown(self._holder_page_arr, capacity, 0)
+        self._holder_generation_arr = _grown(self._holder_generation_arr, capacity, 0)
+        self._parent = memoryview(self._parent_arr)
+        self._first_child = memoryview(self._first_child_arr)
+        self._next_sibling = memoryview(self._next_sibling_arr)
+        self._prev_sibling = memoryview(self._prev_sibling_arr)
+        self._key = memoryview(self._key_arr)
+        self._depth = memoryview(self._depth_arr)
+        self._last_access = memoryview(self._last_access_arr)
+        self._holder_count = memoryview(self._holder_count_arr)
+        self._chained = memoryview(self._chained_arr)
+        # One strided view (and memoryview) per holder column.
+        self._holder_slot_cols = list(self._holder_slot_arr.T)
+        self._holder_page_cols = list(self._holder_page_arr.T)
+        self._holder_generation_cols = list(self._holder_generation_arr.T)
+        self._holder_slot = [memoryview(column) for column in self._holder_slot_cols]
+        self._holder_page = [memoryview(column) for column in self._holder_page_cols]
+        self._holder_generation = [memoryview(column) for column in self._holder_generation_cols]
+        self._capacity = capacity
 
     def _release(self, node: int) -> None:
         """Unlink an empty, childless node from its parent and put it on the free list."""
@@ -901,17 +1236,17 @@ class GlobalIndex:
                 self._first_child[parent] = following
             if following != _NONE:
                 self._prev_sibling[following] = prev
-            del self._children[self._keys[node]]
+            self._table.remove(self._key[node], node)
             self._num_pages -= 1
         else:
             del self._roots[self._root_namespace.pop(node)]
-        self._keys[node] = None
         self._parent[node] = self._next_sibling[node] = self._prev_sibling[node] = _NONE
+        self._key[node] = self._chained[node] = 0
         self._free_nodes.append(node)
 
     def _prune(self, node: int) -> None:
         """Remove `node` and then its ancestors while they have no holders and no children."""
-        while self._holder_slot[node] == _NONE and self._first_child[node] == _NONE:
+        while self._holder_count[node] == 0 and self._first_child[node] == _NONE:
             parent = self._parent[node]
             self._release(node)
             if parent == _NONE:
@@ -927,88 +1262,77 @@ class GlobalIndex:
 
     # ---- internals: holders --------------------------------------------------------------
 
-    def _holders(self, node: int) -> tuple[Holder, ...]:
-        # tuple.__new__ skips the NamedTuple constructor: half the cost, on the match path.
-        slots, tiers = self._slots, self._tiers
-        first = _new_tuple(
-            Holder,
-            (
-                slots[self._holder_slot[node]].worker_id,
-                self._holder_page[node],
-                self._holder_generation[node],
-                tiers[self._holder_tier[node]],
-            ),
-        )
-        extra = self._extra_holders.get(node)
-        if extra is None:
-            return (first,)
-        return (
-            first,
-            *(_new_tuple(Holder, (slots[s].worker_id, p, g, tiers[t])) for s, p, g, t in extra),
-        )
-
-    def _walk(self, namespace: Namespace, data: bytes) -> list[int]:
-        """The nodes of the longest cached prefix of full pages of `data`, in order."""
-        nodes: list[int] = []
-        node = self._roots.get(namespace)
-        if node is None:
-            return nodes
-        get, key_prefix, size = self._children.get, _NODE_ID.pack, self._page_bytes
-        for start in range(0, len(data) - size + 1, size):
-            node = get(key_prefix(node) + data[start : start + size])
-            if node is None:
-                break
-            nodes.append(node)
-        return nodes
-
-    def _held_page(self, node: int, slot: int) -> int | None:
-        if self._holder_slot[node] == slot:
-            return self._holder_page[node]
-        for holder_slot, page, _, _ in self._extra_holders.get(node, ()):
-            if holder_slot == slot:
-                return page
+    def _column_of(self, node: int, slot: int) -> int | None:
+        """The column of the worker's holding on `node` (_EXTRA: the side dict); None: none."""
+        if self._holder_count[node] == 0:
+            return None
+        for column, slots in enumerate(self._holder_slot):
+            if slots[node] == slot:
+                return column
+        for held_by, _, _ in self._extra_holders.get(node, ()):
+            if held_by == slot:
+                return _EXTRA
         return None
 
-    def _add_holder(self, node: int, worker: _Worker, page: int, generation: int) -> None:
+    def _held_page(self, node: int, slot: int) -> int | None:
+        column = self._column_of(node, slot)
+        if column is None or column < _EXTRA:
+            return None if column is None else self._holder_page[column][node]
+        return next(page for held_by, page, _ in self._extra_holders[node] if held_by == slot)
+
+    def _add_holder(
+        self, node: int, worker: _Worker, page: int, generation: int, parent_column: int | None
+    ) -> int:
+        """Record that the worker holds `node` as `page`; the column it holds it in.
+
+        `parent_column` is the worker's column on the node's parent (None for a first
+        page): its column here too, and free here (see the module docstring).
+        """
         slot, old_page = worker.slot, None
-        if self._holder_slot[node] in (slot, _NONE):
-            if self._holder_slot[node] == slot:
-                old_page = self._holder_page[node]
-            self._holder_slot[node] = slot
-            self._holder_page[node] = page
-            self._holder_generation[node] = generation
-            self._holder_tier[node] = worker.tier
+        column = self._column_of(node, slot)
+        assert column is None or parent_column in (None, column), f"{column} != {parent_column}"
+        if column is None:
+            self._holder_count[node] += 1
+            column = parent_column
+            if column is None:  # a first page: any free column will do
+                column = next(
+                    (c for c, slots in enumerate(self._holder_slot) if slots[node] == _NONE),
+                    _EXTRA,
+                )
+        elif column < _EXTRA:
+            old_page = self._holder_page[column][node]
+        if column < _EXTRA:
+            assert self._holder_slot[column][node] in (_NONE, slot), f"column {column} taken"
+            self._holder_slot[column][node] = slot
+            self._holder_page[column][node] = page
+            self._holder_generation[column][node] = generation
         else:
             extra = self._extra_holders.setdefault(node, [])
-            for i, (holder_slot, held, _, _) in enumerate(extra):
-                if holder_slot == slot:
+            for i, (held_by, held, _) in enumerate(extra):
+                if held_by == slot:
                     old_page = held
-                    extra[i] = (slot, page, generation, worker.tier)
+                    extra[i] = (slot, page, generation)
                     break
             else:
-                extra.append((slot, page, generation, worker.tier))
+                extra.append((slot, page, generation))
         if old_page is not None and old_page != page:
             # The worker holds this prefix under a new page id now; newest wins.
             worker.pages.pop(old_page)
         worker.pages.set(page, node)
+        return column
 
     def _remove_holder(self, node: int, slot: int) -> int:
-        """Take the worker's holder off a node; its page id."""
-        extra = self._extra_holders.get(node)
-        if self._holder_slot[node] == slot:
-            page = self._holder_page[node]
-            if extra:
-                # Promote the next holder inline, keeping the holders in storing order.
-                slot_, page_, generation, tier = extra.pop(0)
-                self._holder_slot[node], self._holder_page[node] = slot_, page_
-                self._holder_generation[node], self._holder_tier[node] = generation, tier
-            else:
-                self._holder_slot[node] = _NONE
-        else:
-            assert extra, f"slot {slot} holds nothing on node {node}"
-            i = next(i for i, holder in enumerate(extra) if holder[0] == slot)
-            page = extra.pop(i)[1]
-        if extra is not None and not extra:
+        """Take the worker's holding off a node; its page id."""
+        column = self._column_of(node, slot)
+        assert column is not None, f"slot {slot} holds nothing on node {node}"
+        self._holder_count[node] -= 1
+        if column < _EXTRA:
+            self._holder_slot[column][node] = _NONE
+            return self._holder_page[column][node]
+        extra = self._extra_holders[node]
+        i = next(i for i, holder in enumerate(extra) if holder[0] == slot)
+        page = extra.pop(i)[1]
+        if not extra:
             del self._extra_holders[node]
         return page
 
@@ -1017,7 +1341,7 @@ class GlobalIndex:
         held, stack = [], [top]
         while stack:
             node = stack.pop()
-            if self._held_page(node, worker.slot) is None:
+            if self._column_of(node, worker.slot) is None:
                 continue  # prefix-closed: nothing of the worker's below either
             held.append(node)
             child = self._first_child[node]
@@ -1040,7 +1364,141 @@ class GlobalIndex:
             self._prune(node)
         return len(held)
 
-    # ---- internals: queries and checks ---------------------------------------------------
+    # ---- internals: queries --------------------------------------------------------------
+
+    def _path(self, namespace: Namespace, data: bytes) -> _Path:
+        """The nodes of the longest cached prefix of full pages of `data`, in order.
+
+        Pages published together are consecutive node ids, so the walk goes by runs: find
+        the node of the next page through its key (checking its parent and tokens), then
+        take as many of the following node ids as continue the chain (a parent of node
+        id - 1, a flag per node) and hold the prompt's next pages (one bytes comparison).
+        A fragmented path (more than _MAX_SEGMENTS runs) finishes with every remaining
+        page's key at once (`_lookup`).
+        """
+        root = self._roots.get(namespace)
+        pages = min(len(data) // self._page_bytes, self._max_depth)
+        if root is None or pages == 0:
+            return _NO_PATH
+        runs: list[tuple[int, int]] = []  # (first node, pages)
+        parent, done = root, 0
+        size = self._page_bytes
+        while done < pages:
+            if len(runs) == _MAX_SEGMENTS:
+                rest = self._lookup(parent, done, pages, data)
+                return _Path(0, done + len(rest), np.concatenate([*map(_node_range, runs), rest]))
+            key = self._page_key(parent, done, data)
+            node = self._child(parent, key, data[done * size : (done + 1) * size])
+            if node is None:
+                break
+            length = self._run_length(node, done, pages, data)
+            runs.append((node, length))
+            done += length
+            parent = node + length - 1
+        if len(runs) < 2:
+            return _Path(*runs[0], None) if runs else _NO_PATH
+        return _Path(0, done, np.concatenate([*map(_node_range, runs)]))
+
+    def _page_key(self, parent: int, depth: int, data: bytes) -> int:
+        """The key of prompt page `depth` as a child of `parent` (see `_chain_keys`)."""
+        size = self.page_tokens
+        tokens = np.frombuffer(data, _TOKEN_DTYPE, size, depth * self._page_bytes)
+        coefficients = self._coefficients[depth * size : (depth + 1) * size]
+        key = self._key[parent] + int(np.dot(tokens, coefficients))
+        return ((key + 2**63) & _MASK64) - 2**63  # wrapped to int64, as numpy computes it
+
+    def _run_length(self, node: int, depth: int, pages: int, data: bytes) -> int:
+        """How many consecutive node ids from `node` (which holds prompt page `depth`)
+        continue its chain and hold the prompt's following pages, in order."""
+        most = min(pages - depth, self._allocated - node)
+        broken = self._chained[node + 1 : node + most].tobytes().find(0)
+        if broken >= 0:
+            most = broken + 1
+        size = self._page_bytes
+        stored = self._token_bytes[node * size : (node + most) * size].tobytes()
+        wanted = data[depth * size : (depth + most) * size]
+        if stored == wanted:
+            return most
+        equal, unequal = 1, most  # the first `equal` pages agree, the first `unequal` do not
+        while unequal - equal > 1:
+            middle = (equal + unequal) // 2
+            if stored[: middle * size] == wanted[: middle * size]:
+                equal = middle
+            else:
+                unequal = middle
+        return equal
+
+    def _lookup(self, parent: int, depth: int, pages: int, data: bytes) -> np.ndarray:
+        """The nodes of prompt pages depth .. pages - 1 below `parent`, all keys at once.
+
+        Every page's key in one multiply and cumulative sum, the key table's first
+        candidate for each, then one exact check of all of them (stored tokens equal the
+        prompt's pages, each node's parent the node before). A collision fails that check
+        and takes the exact walk instead, which tries every candidate.
+        """
+        size = self._page_bytes
+        data = data[depth * size : pages * size]
+        keys = self._chain_keys(self._key[parent], depth, data)
+        nodes = self._table.find_run(keys)
+        if len(nodes) == 0:
+            return nodes
+        parents = self._parent_arr.take(nodes)
+        if (
+            parents[0] == parent
+            and parents[1:].tobytes() == nodes[:-1].tobytes()
+            and self._page_records.take(nodes).tobytes() == data[: len(nodes) * size]
+        ):
+            return nodes
+        found = []
+        for i, key in enumerate(keys.tolist()):
+            parent = self._child(parent, key, data[i * size : (i + 1) * size])
+            if parent is None:
+                break
+            found.append(parent)
+        return np.array(found, dtype=np.intp)
+
+    def _runs(self, path: _Path) -> list[tuple[int, int, int]]:
+        """(slot, pages held, column) of every holder of the first node of a path.
+
+        Each holder holds a leading run of the path (prefix closure) in one column
+        (column consistency), so column c along the path is its holder's run, then empty.
+        """
+        first, last = path.node(0), path.node(path.length - 1)
+        runs = []
+        for column, slots in enumerate(self._holder_slot):
+            slot = slots[first]
+            if slot == _NONE:
+                continue
+            if slots[last] == slot:
+                held = path.length
+            else:
+                held = int(np.count_nonzero(path.of(self._holder_slot_cols[column]) == slot))
+            runs.append((slot, held, column))
+        for slot, _, _ in self._extra_holders.get(first, ()):
+            held = 1
+            while held < path.length and self._column_of(path.node(held), slot) == _EXTRA:
+                held += 1
+            runs.append((slot, held, _EXTRA))
+        return runs
+
+    def _span(self, path: _Path, slot: int, held: int, column: int) -> HolderSpan:
+        worker = self._slots[slot]
+        assert worker is not None, f"a holding of dead slot {slot}"
+        if held < path.length:
+            path = _Path(path.start, held, None if path.nodes is None else path.nodes[:held])
+        if column < _EXTRA:
+            page_ids = tuple(path.of(self._holder_page_cols[column]).tolist())
+            generations = tuple(path.of(self._holder_generation_cols[column]).tolist())
+        else:
+            found = [
+                next(holder for holder in self._extra_holders[path.node(i)] if holder[0] == slot)
+                for i in range(held)
+            ]
+            page_ids = tuple(holder[1] for holder in found)
+            generations = tuple(holder[2] for holder in found)
+        return _new_tuple(
+            HolderSpan, (worker.worker_id, self._tiers[worker.tier], page_ids, generations)
+        )
 
     def _requester_slot(self, requester: str | None) -> int:
         worker = self._workers.get(requester) if requester is not None else None
@@ -1049,34 +1507,19 @@ class GlobalIndex:
     def _record(
         self, namespace: Namespace, requester: str | None, queried: int, hit: int, local: int
     ) -> None:
-        lost = queried % self.page_tokens
-        self._cluster.add(queried, hit, local, lost)
-        tenant = self._by_tenant.get(namespace.salt)
-        if tenant is None:
-            tenant = self._by_tenant[namespace.salt] = _Counters()
-        tenant.add(queried, hit, local, lost)
-        if requester is not None:
-            counters = self._by_worker.get(requester)
-            if counters is None:
-                counters = self._by_worker[requester] = _Counters()
-            counters.add(queried, hit, local, lost)
+        key = (namespace.salt, requester)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = [0, 0, 0, 0, 0]
+        tally[0] += 1
+        tally[1] += queried
+        tally[2] += hit
+        tally[3] += local
+        tally[4] += queried % self.page_tokens
 
-    def _held_prefix_pages(
-        self, namespace: Namespace, data: bytes, slots: set[int]
-    ) -> dict[int, int]:
-        """slot -> how many leading pages of the prompt that worker holds itself."""
-        held: dict[int, int] = {}
-        for node in self._walk(namespace, data):
-            holding = {self._holder_slot[node]}
-            holding.update(holder[0] for holder in self._extra_holders.get(node, ()))
-            slots = slots & holding
-            if not slots:
-                break
-            for slot in slots:
-                held[slot] = held.get(slot, 0) + 1
-        return held
+    # ---- internals: checks ---------------------------------------------------------------
 
-    def _check_links(self, used: list[bool]) -> int:
+    def _check_links(self, used: np.ndarray) -> int:
         """Walk the child lists from every root; the number of nodes reached."""
         reached = 0
         stack = list(self._roots.values())
@@ -1095,36 +1538,85 @@ class GlobalIndex:
                 prev, child = child, self._next_sibling[child]
         return reached
 
-    def _check_holders(self, used: list[bool]) -> int:
-        """Check every non-root node's holders against the reverse maps; the holder count."""
-        holdings = 0
-        for node, in_use in enumerate(used):
-            if not in_use or node in self._root_namespace:
-                continue
-            slots = [self._holder_slot[node]]
-            pages = [self._holder_page[node]]
-            extra = self._extra_holders.get(node)
-            if extra is not None:
-                assert extra, f"node {node} has an empty extra-holder list"
-                slots += [holder[0] for holder in extra]
-                pages += [holder[1] for holder in extra]
-            assert slots[0] != _NONE, f"node {node} survives with no holder"
-            assert len(set(slots)) == len(slots), f"node {node}: a worker holds it twice {slots}"
-            parent = self._parent[node]
-            for slot, page in zip(slots, pages, strict=True):
-                worker = self._slots[slot] if 0 <= slot < len(self._slots) else None
-                assert worker is not None, f"node {node} held by dead slot {slot}"
-                mapped = worker.pages.get(page)
-                assert mapped == node, (
-                    f"{worker.worker_id} page {page}: holds node {node}, reverse map {mapped}"
+    def _check_keys(self, pages: np.ndarray) -> None:
+        """Every page's depth and key follow from its parent's and its own tokens."""
+        size = self.page_tokens
+        assert self._max_depth >= (self._depth_arr[pages].max() if len(pages) else 0)
+        positions = np.arange(size)
+        for start in range(0, len(pages), 1 << 16):  # in chunks: bounded temporaries
+            chunk = pages[start : start + (1 << 16)]
+            parents = self._parent_arr[chunk]
+            depth = self._depth_arr[chunk]
+            assert (depth == self._depth_arr[parents] + 1).all(), "a node at the wrong depth"
+            coefficients = self._coefficients[(depth[:, None] - 1) * size + positions]
+            sums = (self._tokens_arr[chunk] * coefficients).sum(1) + self._key_arr[parents]
+            assert (sums == self._key_arr[chunk]).all(), "a node's key does not match its page"
+
+    def _check_holders(self, pages: np.ndarray) -> int:
+        """Counts, columns and prefix closure of every page's holders; the holder count."""
+        slots = self._holder_slot_arr[pages].T  # (columns, pages)
+        inline = (slots != _NONE).sum(0)
+        extra = np.zeros(len(pages), np.int64)
+        for node, holders in self._extra_holders.items():
+            assert holders, f"node {node} has an empty extra-holder list"
+            where = np.searchsorted(pages, node)
+            assert where < len(pages) and pages[where] == node, f"free node {node} has holders"
+            extra[where] = len(holders)
+        counts = self._holder_count_arr[pages]
+        assert (counts == inline + extra).all(), "a holder count is off"
+        assert (counts > 0).all(), f"nodes survive with no holder: {pages[counts == 0][:5]}"
+        for a in range(_INLINE_HOLDERS):
+            assert all(
+                ((slots[a] == _NONE) | (slots[a] != slots[b])).all()
+                for b in range(a + 1, _INLINE_HOLDERS)
+            ), "a worker holds a node in two columns"
+        live = np.array([worker is not None for worker in self._slots] + [False], bool)
+        assert live[slots[slots != _NONE]].all(), "a node is held by a dead slot"
+        # Prefix closure and column consistency: a holder of a page below a first page holds
+        # the parent in the same column.
+        parents = self._parent_arr[pages]
+        below = self._depth_arr[pages] > 1
+        parent_slots = self._holder_slot_arr[parents].T
+        closed = (slots == _NONE) | (slots == parent_slots) | ~below
+        assert closed.all(), "a worker holds a page but not its parent in the same column"
+        for node, holders in self._extra_holders.items():
+            held_by = [holder[0] for holder in holders]
+            assert len(set(held_by)) == len(held_by), f"node {node}: a worker holds it twice"
+            for slot in held_by:
+                assert self._slots[slot] is not None, f"node {node} held by dead slot {slot}"
+                assert slot not in slots[:, np.searchsorted(pages, node)], (
+                    f"node {node}: slot {slot} both inline and extra"
                 )
-                assert (
-                    parent in self._root_namespace or self._held_page(parent, slot) is not None
-                ), f"{worker.worker_id} holds node {node} but not its parent {parent}"
-            holdings += len(slots)
-        for node in self._extra_holders:
-            assert used[node], f"free node {node} has extra holders"
-        return holdings
+                parent = self._parent[node]
+                assert self._depth[node] == 1 or self._column_of(parent, slot) == _EXTRA, (
+                    f"slot {slot} holds node {node} in the side dict but not its parent"
+                )
+        return int(counts.sum())
+
+    def _check_reverse_maps(self) -> None:
+        """Every page of a worker's page map is a holding of that worker, under that page."""
+        for worker in self._workers.values():
+            for page, node in worker.pages.items():
+                assert self._held_page(node, worker.slot) == page, (
+                    f"{worker.worker_id} page {page}: reverse map says node {node}, which "
+                    f"holds {self._held_page(node, worker.slot)}"
+                )
+
+
+def _grown(column: np.ndarray, capacity: int, fill: int) -> np.ndarray:
+    """`column` extended to `capacity` nodes (its first axis), the new entries `fill`."""
+    grown = np.full((capacity, *column.shape[1:]), fill, column.dtype)
+    grown[: len(column)] = column
+    return grown
+
+
+def _node_range(run: tuple[int, int]) -> np.ndarray:
+    first, length = run
+    return np.arange(first, first + length, dtype=np.intp)
+
+
+def _span_order(span: HolderSpan) -> tuple[int, str]:
+    return (-len(span.page_ids), span.worker_id)
 
 
 def measure_bytes_per_page(n_pages: int, page_tokens: int = 16) -> float:

@@ -29,6 +29,10 @@ are buffered at all.
 
 Token ids travel packed (little-endian int32 bytes). A decoded body keeps them as bytes:
 the index compares pages as bytes, so the hot path never unpacks them (`split_pages`).
+A match reply lists one span per holder, [worker_id, tier, page_ids, generations], its
+page ids packed as little-endian int32 and its generations as little-endian int64 (one
+bytes object each, not a list of ints: a 128-page span then costs two bin fields to pack
+and check), and decodes into `cache_service.index.HolderSpan` tuples.
 Events travel as compact tagged lists (`encode_event`) and decode into the NamedTuples
 of `cache_service.events`; `PagesStored.tokens` is a tuple of ints there (unpacked once
 through numpy), and `packed_tokens(event)` still returns the bytes off the wire without
@@ -38,6 +42,7 @@ repacking.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, NamedTuple
@@ -53,6 +58,7 @@ from cache_service.events import (
     PagesRemoved,
     PagesStored,
 )
+from cache_service.index import HolderSpan
 
 PROTOCOL_VERSION = 1
 
@@ -161,15 +167,6 @@ class Message(NamedTuple):
     request_id: int
     body: dict[str, Any]
     answers: str = ""
-
-
-class Holder(NamedTuple):
-    """One worker holding one page of a match: where to copy it from and what to check."""
-
-    worker_id: str
-    page_id: int
-    generation: int
-    tier: str
 
 
 # A checker turns a decoded wire value into the body value, or raises ProtocolError.
@@ -399,6 +396,15 @@ def _check_counts(value: Any, path: str, limits: Limits) -> tuple[int, ...]:
 
 
 def _check_namespace(value: Any, path: str, limits: Limits) -> Namespace:
+    if type(value) is list and len(value) == 3:  # the fast way, on every match request
+        model, adapter, salt = value
+        if (
+            type(model) is str
+            and type(adapter) is str
+            and type(salt) is str
+            and max(len(model), len(adapter), len(salt)) <= limits.max_str_len
+        ):
+            return _tuple_new(Namespace, value)
     if type(value) is not list or len(value) != 3:
         raise _bad(path, "[model, adapter, salt]", value)
     model, adapter, salt = value
@@ -430,60 +436,144 @@ def _loads_wire(value: Any) -> Any:
     return value
 
 
-def _check_holders(value: Any, path: str, limits: Limits) -> list[list[Holder]]:
-    """Per matched page, the workers holding it: [[[worker_id, page_id, generation, tier]]]."""
-    pages = _check_list(value, path, limits)
-    max_str, max_list = limits.max_str_len, limits.max_list_len
-    decoded = []
-    append = decoded.append
-    for page in pages:
-        if type(page) is not list or len(page) > max_list:
-            break
-        row = []
-        for holder in page:
-            # One inline test per holder (a match reply is read on every lookup); on any
+# --- match spans --------------------------------------------------------------------------
+
+# bytes.translate deletes these: what is left of the top bytes of packed little-endian ints
+# are the sign bytes of negative ones.
+_NON_NEGATIVE_TOP_BYTES = bytes(range(0x80))
+_tuple_new = tuple.__new__
+# Compiled little-endian formats by element count: a compiled Struct packs a 128-page span
+# in half the time of struct.pack with a format string. Counts past _CACHED_COUNT (longer
+# than any prompt we serve page by page) compile afresh, so the cache stays small.
+_CACHED_COUNT = 4096
+_INT32_STRUCTS: dict[int, struct.Struct] = {}
+_INT64_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _int_struct(count: int, code: str) -> struct.Struct:
+    """The Struct of `count` little-endian int32 ("i") or int64 ("q")."""
+    cache = _INT32_STRUCTS if code == "i" else _INT64_STRUCTS
+    compiled = cache.get(count)
+    if compiled is None:
+        compiled = struct.Struct(f"<{count}{code}")
+        if count <= _CACHED_COUNT:
+            cache[count] = compiled
+    return compiled
+
+
+def _check_spans(value: Any, path: str, limits: Limits) -> tuple[HolderSpan, ...]:
+    """The holders of a match: [[worker_id, tier, page_ids int32 bytes, generations int64
+    bytes], ...], as HolderSpan tuples."""
+    max_str, max_pages = limits.max_str_len, limits.max_tokens
+    if type(value) is list and len(value) <= limits.max_list_len:
+        spans = []
+        for span in value:
+            # One inline test per span (a match reply is read on every lookup); on any
             # failure the slow pass below names what was wrong.
-            if type(holder) is not list or len(holder) != 4:
+            if type(span) is not list or len(span) != 4:
                 break
-            worker, page_id, generation, tier = holder
+            worker, tier, page_ids, generations = span
             if not (
                 type(worker) is str
                 and 0 < len(worker) <= max_str
-                and type(page_id) is int
-                and 0 <= page_id <= INT64_MAX
-                and type(generation) is int
-                and 0 <= generation <= INT64_MAX
                 and type(tier) is str
                 and 0 < len(tier) <= max_str
+                and type(page_ids) is bytes
+                and type(generations) is bytes
             ):
                 break
-            # What Holder._make does, minus its length check (done above).
-            row.append(_tuple_new(Holder, holder))
+            count = len(page_ids) >> 2
+            if not (
+                0 < count <= max_pages
+                and len(page_ids) == 4 * count
+                and len(generations) == 8 * count
+                and not page_ids[3::4].translate(None, _NON_NEGATIVE_TOP_BYTES)
+                and not generations[7::8].translate(None, _NON_NEGATIVE_TOP_BYTES)
+            ):
+                break
+            int32 = _INT32_STRUCTS.get(count) or _int_struct(count, "i")
+            int64 = _INT64_STRUCTS.get(count) or _int_struct(count, "q")
+            page_ids = int32.unpack(page_ids)
+            generations = int64.unpack(generations)
+            spans.append(_tuple_new(HolderSpan, (worker, tier, page_ids, generations)))
         else:
-            append(row)
-            continue
-        break
-    else:
-        return decoded
-    for index, page in enumerate(pages):
-        holders = _check_list(page, f"{path}[{index}]", limits)
-        for slot, holder in enumerate(holders):
-            _check_holder(holder, f"{path}[{index}][{slot}]", limits)
+            return tuple(spans)
+    for index, span in enumerate(_check_list(value, path, limits)):
+        _check_span(span, f"{path}[{index}]", limits)
     raise AssertionError(f"{path}: refused by the fast pass but not the slow one")
 
 
-_tuple_new = tuple.__new__
-
-
-def _check_holder(value: Any, path: str, limits: Limits) -> None:
-    """Raise naming what is wrong with one holder, if anything."""
+def _check_span(value: Any, path: str, limits: Limits) -> None:
+    """Raise naming what is wrong with one span, if anything."""
     if type(value) is not list or len(value) != 4:
-        raise _bad(path, "[worker_id, page_id, generation, tier]", value)
-    worker, page_id, generation, tier = value
+        raise _bad(path, "[worker_id, tier, page_ids, generations]", value)
+    worker, tier, page_ids, generations = value
     _check_id(worker, f"{path}.worker_id", limits)
-    _check_count(page_id, f"{path}.page_id", limits)
-    _check_count(generation, f"{path}.generation", limits)
     _check_id(tier, f"{path}.tier", limits)
+    counts = []
+    for name, packed, size in (("page_ids", page_ids, 4), ("generations", generations, 8)):
+        where = f"{path}.{name}"
+        if type(packed) is not bytes:
+            raise _bad(where, f"packed little-endian int{8 * size} bytes", packed)
+        if len(packed) % size:
+            raise ProtocolError(
+                BAD_FIELD, f"{where}: {len(packed)} bytes is not a multiple of {size}"
+            )
+        if len(packed) > size * limits.max_tokens:
+            raise ProtocolError(
+                TOO_LARGE,
+                f"{where}: {len(packed) // size} pages exceeds max_tokens {limits.max_tokens}",
+            )
+        if packed[size - 1 :: size].translate(None, _NON_NEGATIVE_TOP_BYTES):
+            values = _int_struct(len(packed) // size, "iq"[size // 8]).unpack(packed)
+            at = next(i for i, item in enumerate(values) if item < 0)
+            raise ProtocolError(BAD_FIELD, f"{where}[{at}]: {values[at]} is negative")
+        counts.append(len(packed) // size)
+    if counts[0] != counts[1]:
+        raise ProtocolError(BAD_FIELD, f"{path}: {counts[0]} page ids but {counts[1]} generations")
+    if not counts[0]:
+        raise _bad(f"{path}.page_ids", "at least one page", page_ids)
+
+
+def _spans_wire(value: Any) -> Any:
+    """Spans -> wire lists; page ids and generations may be int sequences, arrays or bytes."""
+    if not isinstance(value, list | tuple):
+        return value
+    wire = []
+    for index, span in enumerate(value):
+        if not isinstance(span, list | tuple) or len(span) != 4:
+            raise _bad(f"[{index}]", "HolderSpan(worker_id, tier, page_ids, generations)", span)
+        worker, tier, page_ids, generations = span
+        if type(page_ids) is tuple and type(generations) is tuple:  # a HolderSpan's
+            try:
+                int32 = _INT32_STRUCTS.get(len(page_ids)) or _int_struct(len(page_ids), "i")
+                int64 = _INT64_STRUCTS.get(len(generations)) or _int_struct(len(generations), "q")
+                wire.append([worker, tier, int32.pack(*page_ids), int64.pack(*generations)])
+                continue
+            except (struct.error, TypeError):
+                pass  # _pack_ints names the culprit
+        page_ids = _pack_ints(page_ids, "i", f"[{index}].page_ids")
+        wire.append(
+            [worker, tier, page_ids, _pack_ints(generations, "q", f"[{index}].generations")]
+        )
+    return wire
+
+
+def _pack_ints(values: Any, code: str, path: str) -> Any:
+    """Little-endian int32 ("i") or int64 ("q") bytes of `values`; bytes pass as they are."""
+    if type(values) is bytes:
+        return values
+    if isinstance(values, bytearray | memoryview):
+        return bytes(values)
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise _bad(path, "a 1-D integer array", values)
+        values = values.tolist()
+    try:
+        return _int_struct(len(values), code).pack(*values)
+    except (struct.error, TypeError) as exc:
+        bits = 32 if code == "i" else 64
+        raise ProtocolError(BAD_FIELD, f"{path}: not int{bits} values ({exc})") from None
 
 
 def _check_stats(value: Any, path: str, limits: Limits) -> dict[str, Any]:
@@ -683,7 +773,7 @@ _NAMESPACE = Field("namespace", _check_namespace, None, 1)
 _LOADS = Field("loads", _check_loads, _loads_wire, 1)
 _EVENT_LIST = Field("events", _check_events, _events_wire, 3)  # events / event / page ids
 _CHAIN_LIST = Field("chains", _check_chains, _events_wire, 3)
-_HOLDERS = Field("holders", _check_holders, None, 3)  # pages / holders / holder
+_SPANS = Field("spans", _check_spans, _spans_wire, 2)  # spans / span
 _STATS = Field("stats", _check_stats, None, None)
 
 _EPOCH_REPLY = {"service_epoch": _COUNT}
@@ -713,7 +803,7 @@ MESSAGES: dict[str, MessageSchema] = {
     ),
     MATCH: MessageSchema(
         request={"namespace": _NAMESPACE, "tokens": _TOKENS, "requester": _OPTIONAL_ID},
-        reply={"matched_tokens": _COUNT, "pages": _HOLDERS},
+        reply={"matched_tokens": _COUNT, "spans": _SPANS},
     ),
     ROUTE: MessageSchema(
         request={"namespace": _NAMESPACE, "tokens": _TOKENS, "loads": _LOADS},
@@ -740,12 +830,27 @@ def _body_depth(schema: Mapping[str, Field]) -> int | None:
     return 1 + max(depths, default=0)
 
 
-# Levels each body spans below the envelope; None: free-form, up to Limits.max_depth.
-_REQUEST_DEPTH = {name: _body_depth(schema.request) for name, schema in MESSAGES.items()}
-_REPLY_DEPTH = {name: _body_depth(schema.reply) for name, schema in MESSAGES.items()}
-_ERROR_DEPTH = _body_depth(ERROR_FIELDS)
+class _Body(NamedTuple):
+    """How decode checks one body: its fields, each with its check and error path."""
+
+    schema: Mapping[str, Field]
+    checks: tuple[tuple[str, Checker, str], ...]  # (field name, check, path in messages)
+    depth: int | None  # levels below the envelope; None: free-form, up to Limits.max_depth
+    path: str
+
+
+def _plan(schema: Mapping[str, Field], path: str) -> _Body:
+    checks = tuple((name, field.check, f"{path}.{name}") for name, field in schema.items())
+    return _Body(schema, checks, _body_depth(schema), path)
+
+
+_REQUEST_BODIES = {name: _plan(schema.request, name) for name, schema in MESSAGES.items()}
+_REPLY_BODIES = {name: _plan(schema.reply, f"{name}.reply") for name, schema in MESSAGES.items()}
+_ERROR_BODY = _plan(ERROR_FIELDS, ERROR)
 _FIXED_DEPTH = 1 + max(
-    depth for depth in (*_REQUEST_DEPTH.values(), *_REPLY_DEPTH.values()) if depth is not None
+    plan.depth
+    for plan in (*_REQUEST_BODIES.values(), *_REPLY_BODIES.values())
+    if plan.depth is not None
 )
 _MAX_MAP_KEYS = max(
     len(_OK_ENVELOPE_KEYS),
@@ -765,19 +870,29 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 def _unpack(frame: Any, limits: Limits) -> Any:
     """Bytes -> msgpack objects, bounded in size, allocation and depth."""
-    if not isinstance(frame, bytes | bytearray | memoryview):
+    if type(frame) is bytes:
+        size = len(frame)
+    elif isinstance(frame, bytes | bytearray | memoryview):
+        size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    else:
         raise ProtocolError(BAD_FRAME, f"a frame is bytes, got {type(frame).__name__}")
-    size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
     if size > limits.max_frame_bytes:
         raise ProtocolError(
             TOO_LARGE, f"frame of {size} bytes exceeds max_frame_bytes {limits.max_frame_bytes}"
         )
     if size == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
-    # The decoder preallocates every array and map its header announces. Headers of a
-    # truncated frame may announce far more than the frame holds, level after level, so
-    # first let msgpack's C skipper walk the frame without building anything: a frame it
-    # accepts is complete, and what decoding allocates is then bounded by its size.
+    # The decoder preallocates every array and map its header announces, and headers of a
+    # truncated frame may announce far more than the frame holds, level after level. With
+    # short lists only (_FAST_LIST_LEN items, _FAST_MAP_LEN keys: every hot message) that
+    # is at most 1,024 levels (msgpack's stack) of 1 KiB: decode at once.
+    kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
+    try:
+        return msgpack.unpackb(frame, **kwargs)
+    except Exception:  # a long list, or a bad frame: the careful way says which
+        pass
+    # Else first let msgpack's C skipper walk the frame without building anything: a
+    # frame it accepts is complete, and what decoding allocates is bounded by its size.
     skipper = msgpack.Unpacker(max_buffer_size=size)
     try:
         skipper.feed(frame)
@@ -809,6 +924,27 @@ def _unpack(frame: Any, limits: Limits) -> Any:
         error = _unpack_error(exc)
     # Still answer the request that sent it, when its envelope says which one that was.
     raise ProtocolError(error.code, error.message, _peek_request_id(frame))
+
+
+_FAST_LIST_LEN = 128
+_FAST_MAP_LEN = 16
+
+
+def _fast_unpack(limits: Limits) -> dict[str, Any]:
+    """msgpack.unpackb keywords of the one-pass decode under `limits`, kept on `limits`."""
+    kwargs = {
+        "raw": False,
+        "strict_map_key": True,
+        "use_list": True,
+        "max_bin_len": limits.max_frame_bytes,
+        "max_str_len": max(limits.max_str_len, limits.max_text_len),
+        "max_array_len": min(_FAST_LIST_LEN, limits.max_list_len),
+        "max_map_len": min(_FAST_MAP_LEN, limits.max_list_len),
+        "max_ext_len": 0,
+        "ext_hook": _reject_ext,
+    }
+    object.__setattr__(limits, "_fast_unpack", kwargs)  # not a field: frozen, equal, hashed alike
+    return kwargs
 
 
 def _unpack_error(exc: Exception) -> ProtocolError:
@@ -867,10 +1003,9 @@ def _check_request_id(value: Any, lowest: int) -> int:
     return value
 
 
-def _key_set_error(where: str, got: Iterable[Any], expected: Iterable[str]) -> str | None:
+def _key_set_error(where: str, got: Iterable[Any], expected: Iterable[str]) -> str:
+    """What is unknown and what is missing in `got` (called once the key sets differ)."""
     got, expected = set(got), set(expected)
-    if got == expected:
-        return None
     parts = [f"unknown {where} {key!r}" for key in sorted(got - expected, key=repr)]
     parts += [f"missing {where} {key!r}" for key in sorted(expected - got)]
     return "; ".join(parts)
@@ -891,7 +1026,7 @@ def decode(
 
     Returns:
         The Message, its body holding checked values: Namespace, packed token bytes,
-        KvEvent NamedTuples, Holder NamedTuples, floats for loads.
+        KvEvent NamedTuples, HolderSpan tuples, floats for loads.
 
     Raises:
         ProtocolError: with `request_id` set once the envelope's id was read (else 0).
@@ -931,52 +1066,48 @@ def _decode_body(envelope: dict, expect: str, request_id: int, limits: Limits) -
         raise ProtocolError(UNKNOWN_TYPE, f"{kind[:40]!r} is not a {expect} type {wanted}")
     answers = ""
     keys = _OK_ENVELOPE_KEYS if kind == OK else _ENVELOPE_KEYS
-    problem = _key_set_error("envelope key", envelope, keys)
-    if problem:
-        raise ProtocolError(BAD_FRAME, problem)
+    if envelope.keys() != keys:
+        raise ProtocolError(BAD_FRAME, _key_set_error("envelope key", envelope, keys))
     if kind == OK:
         answers = envelope["r"]
         if type(answers) is not str or answers not in MESSAGES:
             raise ProtocolError(
                 UNKNOWN_TYPE, f"envelope.r: {_describe(answers)} is not a request type"
             )
-        schema, depth, path = MESSAGES[answers].reply, _REPLY_DEPTH[answers], f"{answers}.reply"
+        plan = _REPLY_BODIES[answers]
     elif kind == ERROR:
-        schema, depth, path = ERROR_FIELDS, _ERROR_DEPTH, ERROR
+        plan = _ERROR_BODY
     else:
-        schema, depth, path = MESSAGES[kind].request, _REQUEST_DEPTH[kind], kind
+        plan = _REQUEST_BODIES[kind]
     body = envelope["b"]
-    if depth is None:  # free-form: only the depth walk bounds it
+    if plan.depth is None:  # free-form: only the depth walk bounds it
         allowed = limits.max_depth
         if _too_deep(body, 2, allowed):
-            raise _deep(path, allowed)
-        return Message(kind, request_id, _check_body(body, schema, path, limits), answers)
+            raise _deep(plan.path, allowed)
+        return _tuple_new(Message, (kind, request_id, _check_body(body, plan, limits), answers))
     # A fixed schema takes scalars at its deepest level, so anything nested deeper already
     # fails the field checks: the depth walk runs only then, to name the real cause.
     # (Limits keeps max_depth >= every fixed schema's depth.)
-    allowed = 1 + depth
+    allowed = 1 + plan.depth
     try:
-        checked = _check_body(body, schema, path, limits)
+        checked = _check_body(body, plan, limits)
     except ProtocolError:
         if _too_deep(body, 2, allowed):
-            raise _deep(path, allowed) from None
+            raise _deep(plan.path, allowed) from None
         raise
-    return Message(kind, request_id, checked, answers)
+    return _tuple_new(Message, (kind, request_id, checked, answers))
 
 
 def _deep(path: str, allowed: int) -> ProtocolError:
     return ProtocolError(TOO_DEEP, f"{path}: nests deeper than the {allowed} levels allowed")
 
 
-def _check_body(body: Any, schema: Mapping[str, Field], path: str, limits: Limits) -> dict:
+def _check_body(body: Any, plan: _Body, limits: Limits) -> dict:
     if type(body) is not dict:
-        raise _bad(path, "a map body", body)
-    problem = _key_set_error("field", body, schema)
-    if problem:
-        raise ProtocolError(BAD_FIELD, f"{path}: {problem}")
-    return {
-        name: field.check(body[name], f"{path}.{name}", limits) for name, field in schema.items()
-    }
+        raise _bad(plan.path, "a map body", body)
+    if body.keys() != plan.schema.keys():
+        raise ProtocolError(BAD_FIELD, f"{plan.path}: {_key_set_error('field', body, plan.schema)}")
+    return {name: check(body[name], path, limits) for name, check, path in plan.checks}
 
 
 # --- encode -------------------------------------------------------------------------------
@@ -985,8 +1116,9 @@ def _check_body(body: Any, schema: Mapping[str, Field], path: str, limits: Limit
 def encode(msg: Message, *, limits: Limits = DEFAULT_LIMITS, check: bool = True) -> bytes:
     """Write one frame.
 
-    Body values may be given in their decoded form (Namespace, KvEvent, Holder, packed
-    token bytes) or as plain lists; token ids may also be any int sequence or array.
+    Body values may be given in their decoded form (Namespace, KvEvent, HolderSpan, packed
+    token bytes) or as plain lists; token ids, page ids and generations may also be any
+    int sequence or array.
 
     Args:
         msg: the message; an OK reply names the request type it answers in `answers`.
@@ -1003,38 +1135,39 @@ def encode(msg: Message, *, limits: Limits = DEFAULT_LIMITS, check: bool = True)
     """
     kind, request_id, body, answers = msg
     if kind in MESSAGES:
-        schema, expect, lowest = MESSAGES[kind].request, "request", 1
+        plan, expect, lowest = _REQUEST_BODIES[kind], "request", 1
     elif kind == OK and answers in MESSAGES:
-        schema, expect, lowest = MESSAGES[answers].reply, "reply", 0
+        plan, expect, lowest = _REPLY_BODIES[answers], "reply", 0
     elif kind == ERROR:
-        schema, expect, lowest = ERROR_FIELDS, "reply", 0
+        plan, expect, lowest = _ERROR_BODY, "reply", 0
     else:
         raise ProtocolError(UNKNOWN_TYPE, f"cannot encode type {kind!r} answering {answers!r}")
     request_id = _check_request_id(request_id, lowest)
-    if not isinstance(body, Mapping):
+    path, schema = plan.path, plan.schema
+    if type(body) is not dict and not isinstance(body, Mapping):
         raise ProtocolError(
-            BAD_FIELD, f"{kind}: body must be a map, got {_describe(body)}", request_id
+            BAD_FIELD, f"{path}: body must be a map, got {_describe(body)}", request_id
         )
-    problem = _key_set_error("field", body, schema)
-    if problem:
-        raise ProtocolError(BAD_FIELD, f"{kind}: {problem}", request_id)
+    if body.keys() != schema.keys():
+        problem = _key_set_error("field", body, schema)
+        raise ProtocolError(BAD_FIELD, f"{path}: {problem}", request_id)
     wire = {}
     for name, field in schema.items():
         try:
             wire[name] = body[name] if field.wire is None else field.wire(body[name])
         except ProtocolError as exc:
-            raise ProtocolError(exc.code, f"{kind}.{name}: {exc.message}", request_id) from None
+            raise ProtocolError(exc.code, f"{path}.{name}: {exc.message}", request_id) from None
     envelope = {"v": PROTOCOL_VERSION, "t": kind, "id": request_id, "b": wire}
     if kind == OK:
         envelope["r"] = answers
     try:
         frame = msgpack.packb(envelope, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(BAD_FIELD, f"{kind}: cannot encode body: {exc}", request_id) from None
+        raise ProtocolError(BAD_FIELD, f"{path}: cannot encode body: {exc}", request_id) from None
     if len(frame) > limits.max_frame_bytes:
         raise ProtocolError(
             TOO_LARGE,
-            f"{kind}: frame of {len(frame)} bytes exceeds max_frame_bytes {limits.max_frame_bytes}",
+            f"{path}: frame of {len(frame)} bytes exceeds max_frame_bytes {limits.max_frame_bytes}",
             request_id,
         )
     if check:
@@ -1095,7 +1228,7 @@ __all__ = [
     "UNKNOWN_TYPE",
     "Checker",
     "Field",
-    "Holder",
+    "HolderSpan",
     "Limits",
     "Message",
     "MessageSchema",

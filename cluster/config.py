@@ -64,12 +64,54 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class WorkersConfig:
+    """How many workers run and how they are placed."""
+
+    count: int = 2
+    # Where page servers listen: "loopback" or "node", as service.host.
+    host: str = "loopback"
+    # torch threads per worker: one CPU slot each; more threads than cores slows
+    # every worker down several times over.
+    threads: int = 1
+    publish_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.count <= 0:
+            raise ConfigError(f"workers.count must be positive, got {self.count}")
+        if self.threads <= 0:
+            raise ConfigError(f"workers.threads must be positive, got {self.threads}")
+        if self.publish_interval_s <= 0:
+            raise ConfigError("workers.publish_interval_s must be positive")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The central service."""
+
+    # "loopback" (127.0.0.1: one machine, an embedded Ray or a simulated cluster),
+    # "node" (this node's address as Ray knows it: a real multi-node cluster), or an
+    # address of this node. Never "*": see ServerConfig.
+    host: str = "loopback"
+    port: int = 0
+    liveness_timeout_s: float = 10.0
+    load_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.host in ("*", "0.0.0.0", "::", ""):
+            raise ConfigError(f"service.host {self.host!r} would listen on every interface")
+        if self.liveness_timeout_s <= 0:
+            raise ConfigError("service.liveness_timeout_s must be positive")
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     """The whole configuration, one section per component."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
     def store_layout(self) -> StoreLayout:
         """The page store layout these sections describe."""

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cache_service import index as index_module
 from cache_service.events import AllCleared, Namespace, PagesRemoved, PagesStored
 from cache_service.index import (
     ApplyResult,
     GlobalIndex,
-    Holder,
+    HolderSpan,
     MatchResult,
-    PageMatch,
     Registration,
     RouteDecision,
     WorkerInfo,
@@ -56,9 +57,9 @@ def stored(
     return PagesStored(namespace, parent, page_ids, generations, tuple(make_tokens(*pages)))
 
 
-def holders(result: MatchResult) -> list[list[tuple[str, int]]]:
-    """Per matched page, its holders as (worker, page id)."""
-    return [[(h.worker_id, h.page_id) for h in p.holders] for p in result.pages]
+def spans(result: MatchResult) -> list[tuple[str, tuple[int, ...]]]:
+    """The spans of a match as (worker, page ids), in their order."""
+    return [(span.worker_id, span.page_ids) for span in result.spans]
 
 
 def apply_ok(index: GlobalIndex, worker: str, seq: int, *events, epoch: int = 1) -> None:
@@ -69,22 +70,59 @@ def apply_ok(index: GlobalIndex, worker: str, seq: int, *events, epoch: int = 1)
 # ---- storing and matching ----------------------------------------------------------------
 
 
-def test_match_lists_every_page_with_its_holders():
+def test_match_returns_one_span_per_holder():
     index = make_index("a", "b")
-    apply_ok(index, "a", 1, stored((10, 11, 12), (1, 2, 3), generations=(5, 6, 7)))
     apply_ok(index, "b", 1, stored((3, 4), (1, 2)))
+    apply_ok(index, "a", 1, stored((10, 11, 12), (1, 2, 3), generations=(5, 6, 7)))
 
     result = index.match(NS, make_tokens(1, 2, 3, 4, tail=2))
 
+    # Longest first: a holds all three matched pages, b the first two.
     assert result == MatchResult(
         12,
         (
-            PageMatch((Holder("a", 10, 5, "cpu"), Holder("b", 3, 0, "cpu"))),
-            PageMatch((Holder("a", 11, 6, "cpu"), Holder("b", 4, 0, "cpu"))),
-            PageMatch((Holder("a", 12, 7, "cpu"),)),
+            HolderSpan("a", "cpu", (10, 11, 12), (5, 6, 7)),
+            HolderSpan("b", "cpu", (3, 4), (0, 0)),
         ),
     )
     assert index.num_pages == 3
+    index.check_integrity()
+
+
+def test_spans_of_equal_length_go_by_worker_id():
+    index = make_index("b", "c", "a")
+    for seq, worker in enumerate(("c", "a", "b"), start=1):
+        apply_ok(index, worker, 1, stored((seq, 10 + seq), (1, 2)))
+    assert spans(index.match(NS, make_tokens(1, 2))) == [
+        ("a", (2, 12)),
+        ("b", (3, 13)),
+        ("c", (1, 11)),
+    ]
+    index.check_integrity()
+
+
+def test_more_holders_than_inline_columns():
+    workers = [f"w{i}" for i in range(7)]
+    index = make_index(*workers)
+    for i, worker in enumerate(workers):
+        # w0 holds 1 page, w1 2 pages, ... w6 7 pages: spans of every length.
+        pages = tuple(range(1, i + 2))
+        apply_ok(index, worker, 1, stored(tuple(100 * i + p for p in pages), pages))
+    result = index.match(NS, make_tokens(*range(1, 9)), requester="w2")
+    assert result.matched_tokens == 7 * P
+    assert spans(result) == [
+        (f"w{i}", tuple(100 * i + p for p in range(1, i + 2))) for i in reversed(range(7))
+    ]
+    assert index.stats()["workers"]["w2"]["local_hit_tokens"] == 3 * P
+    index.remove_worker("w6", "crashed")
+    index.remove_worker("w1", "crashed")
+    assert [worker for worker, _ in spans(index.match(NS, make_tokens(1)))] == [
+        "w0",
+        "w2",
+        "w3",
+        "w4",
+        "w5",
+    ]
     index.check_integrity()
 
 
@@ -92,7 +130,7 @@ def test_tier_comes_from_registration():
     index = GlobalIndex(page_tokens=P)
     index.register("g", epoch=1, node_id="node0", tier="gpu", now=0.0)
     apply_ok(index, "g", 1, stored((0,), (1,)))
-    assert index.match(NS, make_tokens(1)).pages[0].holders == (Holder("g", 0, 0, "gpu"),)
+    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("g", "gpu", (0,), (0,)),)
     index.check_integrity()
 
 
@@ -148,6 +186,7 @@ def test_malformed_events_raise_and_change_nothing():
         (PagesStored(NS, None, (1,), (0,), (1, 2, 3)), "3 tokens for 1 pages of 4"),
         (PagesStored(NS, None, (1, 1), (0, 0), make_tokens(2, 3)), "repeats"),
         (PagesStored(NS, None, (-1,), (0,), make_tokens(2)), "page ids must be ints"),
+        (PagesStored(NS, None, (2**31,), (0,), make_tokens(2)), r"\[0, 2\*\*31\)"),
         (PagesStored(NS, None, (1,), (0,), (0, 0, 0, 2**31)), "int32"),
         (PagesRemoved((0,), "bored"), "removal reason 'bored'"),
         ("not an event", "unknown event type str"),
@@ -171,7 +210,7 @@ def test_same_batch_twice_is_a_duplicate():
     assert index.apply_events("a", 1, 1, batch) == ApplyResult(False, False, "duplicate", 1)
     assert index.apply_events("a", 1, 0, batch) == ApplyResult(False, False, "stale", 1)
     assert index.stats()["events"]["duplicates"] == 2
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
     index.check_integrity()
 
 
@@ -181,11 +220,11 @@ def test_same_event_twice_is_idempotent():
     apply_ok(index, "a", 1, event, event)
     apply_ok(index, "a", 2, event)
     assert index.num_pages == 2
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
 
     removal = PagesRemoved((1,), "evicted")
     apply_ok(index, "a", 3, removal, removal, PagesRemoved((77,), "evicted"))
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0,))]
     assert index.num_pages == 1
     index.check_integrity()
 
@@ -194,7 +233,7 @@ def test_restore_refreshes_the_generation():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0,), (1,), generations=(3,)))
     apply_ok(index, "a", 2, stored((0,), (1,), generations=(4,)))
-    assert index.match(NS, make_tokens(1)).pages[0].holders == (Holder("a", 0, 4, "cpu"),)
+    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("a", "cpu", (0,), (4,)),)
     index.check_integrity()
 
 
@@ -213,13 +252,8 @@ def test_gap_needs_resync_and_resync_restores():
     snapshot = [stored((0,), (1,)), stored((2, 3), (3, 4), parent=0)]
     assert index.resync("a", 1, 3, snapshot) == ApplyResult(True, False, "resynced", 3)
 
-    # The resync re-stores a's pages, so a now comes after b on the shared page.
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 5), ("a", 0)]]
-    assert holders(index.match(NS, make_tokens(1, 3, 4))) == [
-        [("b", 5), ("a", 0)],
-        [("a", 2)],
-        [("a", 3)],
-    ]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0,)), ("b", (5,))]
+    assert spans(index.match(NS, make_tokens(1, 3, 4))) == [("a", (0, 2, 3)), ("b", (5,))]
     assert index.num_pages == 3
     apply_ok(index, "a", 4, PagesRemoved((3,), "evicted"))
     assert index.stats()["events"] == {
@@ -259,7 +293,7 @@ def test_bad_resync_raises_and_changes_nothing():
         index.resync("a", 1, 5, [stored((1,), (2,)), stored((1,), (3,))])
     with pytest.raises(ValueError, match="not PagesStored"):
         index.resync("a", 1, 5, [AllCleared()])  # type: ignore[list-item]
-    assert holders(index.match(NS, make_tokens(1))) == [[("a", 0)]]
+    assert spans(index.match(NS, make_tokens(1))) == [("a", (0,))]
     apply_ok(index, "a", 2, AllCleared())
     index.check_integrity()
 
@@ -274,7 +308,7 @@ def test_removal_prunes_empty_chains_leaf_up():
     apply_ok(index, "a", 2, PagesRemoved((2, 1), "evicted"))
     assert index.num_pages == 1
     apply_ok(index, "a", 3, PagesRemoved((0,), "evicted"))
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0,))]
     apply_ok(index, "b", 2, AllCleared())
     assert index.num_pages == 0
     assert index.match(NS, make_tokens(1)) == MatchResult(0, ())
@@ -287,8 +321,8 @@ def test_removing_an_inner_page_drops_the_workers_pages_below_it():
     apply_ok(index, "b", 1, stored((7, 8), (1, 2)))
     apply_ok(index, "a", 2, PagesRemoved((1,), "evicted"))
     # a keeps page 0 and its other child; b still serves pages 1-2; page 3 of a is gone.
-    assert holders(index.match(NS, make_tokens(1, 2, 3))) == [[("a", 0), ("b", 7)], [("b", 8)]]
-    assert holders(index.match(NS, make_tokens(1, 4))) == [[("a", 0), ("b", 7)], [("a", 3)]]
+    assert spans(index.match(NS, make_tokens(1, 2, 3))) == [("b", (7, 8)), ("a", (0,))]
+    assert spans(index.match(NS, make_tokens(1, 4))) == [("a", (0, 3)), ("b", (7,))]
     assert index.num_pages == 3
     index.check_integrity()
 
@@ -298,11 +332,11 @@ def test_a_reused_page_id_moves_to_its_new_node():
     apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
     # Page 1 evicted (with page 2 below it) and re-stored under a new prefix.
     apply_ok(index, "a", 2, PagesRemoved((2, 1), "evicted"), stored((1,), (5,), parent=0))
-    assert holders(index.match(NS, make_tokens(1, 5))) == [[("a", 0)], [("a", 1)]]
+    assert spans(index.match(NS, make_tokens(1, 5))) == [("a", (0, 1))]
     assert index.match(NS, make_tokens(1, 2)).matched_tokens == P
     # The removal never arrived: a store at a new place still moves the page.
     apply_ok(index, "a", 3, stored((1,), (6,)))
-    assert holders(index.match(NS, make_tokens(6))) == [[("a", 1)]]
+    assert spans(index.match(NS, make_tokens(6))) == [("a", (1,))]
     assert index.match(NS, make_tokens(1, 5)).matched_tokens == P
     assert index.num_pages == 2
     index.check_integrity()
@@ -313,7 +347,7 @@ def test_a_reused_page_id_as_its_only_root_child_keeps_the_root():
     apply_ok(index, "a", 1, stored((0,), (1,)))
     apply_ok(index, "a", 2, stored((0,), (2,)))  # page 0 rewritten without a removal
     assert index.match(NS, make_tokens(1)).matched_tokens == 0
-    assert holders(index.match(NS, make_tokens(2))) == [[("a", 0)]]
+    assert spans(index.match(NS, make_tokens(2))) == [("a", (0,))]
     index.check_integrity()
 
 
@@ -330,7 +364,7 @@ def test_same_prefix_under_a_new_page_id_replaces_the_old_one():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0,), (1,)))
     apply_ok(index, "a", 2, stored((4,), (1,)))
-    assert holders(index.match(NS, make_tokens(1))) == [[("a", 4)]]
+    assert spans(index.match(NS, make_tokens(1))) == [("a", (4,))]
     assert index.stats()["workers"]["a"]["pages"] == 1
     index.check_integrity()
 
@@ -346,10 +380,10 @@ def test_new_epoch_drops_the_old_epochs_holdings():
     assert index.register("a", epoch=1, node_id="node0", now=1.0) == Registration("a", 1, 1, 0)
     assert index.register("a", epoch=2, node_id="node1", now=2.0) == Registration("a", 2, 0, 2)
     assert index.worker_info("a") == WorkerInfo("a", 2, "node1", "cpu", 2.0, 0, 0, False)
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0,))]
     assert index.apply_events("a", 1, 2, []) == ApplyResult(False, True, "epoch_mismatch", 0)
     apply_ok(index, "a", 1, stored((3,), (1,)), epoch=2)
-    assert holders(index.match(NS, make_tokens(1))) == [[("b", 0), ("a", 3)]]
+    assert spans(index.match(NS, make_tokens(1))) == [("a", (3,)), ("b", (0,))]
     with pytest.raises(ValueError, match="epoch 1 is older than the registered 2"):
         index.register("a", epoch=1, node_id="node0", now=3.0)
     index.check_integrity()
@@ -366,7 +400,7 @@ def test_silent_workers_expire_with_all_their_pages():
     assert index.expire(now=10.5) == ["b"]
     assert index.live_workers() == ["a"]
     assert index.worker_info("b") is None
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
 
     assert index.expire(now=18.5) == ["a"]
     assert index.match(NS, make_tokens(1, 2)) == MatchResult(0, ())
@@ -385,11 +419,11 @@ def test_removed_worker_loses_everything_and_its_slot_is_reused():
     apply_ok(index, "b", 1, stored((0, 1), (1, 2)))
     assert index.remove_worker("a", "crashed") == 2
     assert index.remove_worker("a", "crashed") == 0
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("b", 0)], [("b", 1)]]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0, 1))]
 
     index.register("c", epoch=1, node_id="node0", now=0.0)  # takes a's slot
     apply_ok(index, "c", 1, stored((4,), (1,)))
-    assert holders(index.match(NS, make_tokens(1))) == [[("b", 0), ("c", 4)]]
+    assert spans(index.match(NS, make_tokens(1))) == [("b", (0,)), ("c", (4,))]
     assert index.stats()["removed_workers"] == {"crashed": 1}
     index.check_integrity()
 
@@ -404,8 +438,8 @@ def test_tenants_never_share_pages():
 
     assert index.match(other, make_tokens(1, 2), requester="b") == MatchResult(0, ())
     apply_ok(index, "b", 1, stored((0,), (1,), namespace=other))
-    assert holders(index.match(other, make_tokens(1, 2))) == [[("b", 0)]]
-    assert holders(index.match(NS, make_tokens(1, 2))) == [[("a", 0)], [("a", 1)]]
+    assert spans(index.match(other, make_tokens(1, 2))) == [("b", (0,))]
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
     assert index.match(Namespace(NS.model, "lora-1", NS.salt), make_tokens(1)).matched_tokens == 0
 
     tenants = index.stats()["tenants"]
@@ -542,7 +576,7 @@ def test_check_integrity_catches_a_broken_reverse_map():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     index._workers["a"].pages.pop(1)  # corrupt on purpose
-    with pytest.raises(AssertionError, match=r"1 holders on nodes|page 1"):
+    with pytest.raises(AssertionError, match="2 holders on nodes, 1 in reverse maps"):
         index.check_integrity()
 
 
@@ -550,15 +584,15 @@ def test_node_ids_are_reused_after_pruning():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "a", 2, AllCleared())
-    allocated = len(index._keys)
+    allocated = index._allocated
     apply_ok(index, "a", 3, stored((0, 1), (3, 4)))
-    assert len(index._keys) == allocated == 3  # a root and two pages
+    assert index._allocated == allocated == 3  # a root and two pages
     index.check_integrity()
 
 
 def test_memory_per_page_stays_lean():
     per_page = measure_bytes_per_page(100_000, page_tokens=16)
-    assert 100 < per_page <= 400, f"{per_page:.1f} bytes per page"
+    assert 100 < per_page <= 300, f"{per_page:.1f} bytes per page"
 
 
 def test_measure_rejects_no_pages():
@@ -568,13 +602,24 @@ def test_measure_rejects_no_pages():
 
 # ---- property: the index against a reference model ---------------------------------------
 
-WORKERS = ("w0", "w1", "w2")
+# Six workers: more than the four inline holder columns, so the side dict is exercised.
+WORKERS = tuple(f"w{i}" for i in range(6))
 NAMESPACES = (Namespace("m", "", "s0"), Namespace("m", "", "s1"))
 POOL = 6  # page ids per worker: small, so ids are reused after evictions
 
 op_strategy = st.tuples(
     st.sampled_from(
-        ["store", "store", "store", "overwrite", "remove", "clear", "redeliver", "restart"]
+        [
+            "store",
+            "store",
+            "store",
+            "overwrite",
+            "overwrite_late",
+            "remove",
+            "clear",
+            "redeliver",
+            "restart",
+        ]
     ),
     st.integers(0, len(WORKERS) - 1),
     st.integers(0, 50),
@@ -601,10 +646,17 @@ class Model:
         self.last_batch[worker] = batch
 
     def store(
-        self, worker: str, a: int, b: int, tokens: list[int], overwrite: bool = False
+        self,
+        worker: str,
+        a: int,
+        b: int,
+        tokens: list[int],
+        overwrite: bool = False,
+        late: bool = False,
     ) -> None:
-        """Publish new pages; with `overwrite`, first reuse a held page id without a removal
-        event, as a worker whose removal got folded into the store would."""
+        """Publish new pages; with `overwrite`, reuse a held page id in the new chain without
+        a removal event, as a worker whose removal got folded into the store would: as the
+        chain's first page, or with `late` as its second."""
         namespace = NAMESPACES[a % 2]
         mine = self.held[worker]
         reused = sorted(mine)[b % len(mine)] if overwrite and mine else None
@@ -620,26 +672,32 @@ class Model:
         while pages and path + (pages[0],) in by_path:  # already published: extend below it
             path += (pages.pop(0),)
             parent = by_path[path]
-        free = [p for p in range(POOL) if p not in mine and p != reused]
-        free = ([] if reused is None else [reused]) + free
-        pages = pages[: len(free)]
-        free = free[: len(pages)]
-        if not pages:
-            if reused is not None:
-                self.send(worker, [PagesRemoved((reused,), "evicted")])
-            return
-        generations = tuple(range(self.generation, self.generation + len(pages)))
-        self.generation += len(pages)
-        for page_id, page_tokens, generation in zip(free, pages, generations, strict=True):
-            path += (page_tokens,)
-            mine[page_id] = (namespace, path, generation)
-        flat = tuple(t for p in pages for t in p)
-        batch: list = [PagesStored(namespace, parent, tuple(free), generations, flat)]
-        if reused is not None and mine[reused][:2] == reused_was:
-            # Re-stored at the very same place: without a removal the index cannot tell
-            # that the pages below it went away.
+        others = [p for p in range(POOL) if p not in mine and p != reused]
+        if reused is None:
+            ids = others
+        elif late and others:
+            ids = [others[0], reused, *others[1:]]
+        else:
+            ids = [reused, *others]
+        pages = pages[: len(ids)]
+        ids = ids[: len(pages)]
+        batch: list = []
+        if pages:
+            generations = tuple(range(self.generation, self.generation + len(pages)))
+            self.generation += len(pages)
+            for page_id, page_tokens, generation in zip(ids, pages, generations, strict=True):
+                path += (page_tokens,)
+                mine[page_id] = (namespace, path, generation)
+            flat = tuple(t for p in pages for t in p)
+            batch.append(PagesStored(namespace, parent, tuple(ids), generations, flat))
+        if reused is not None and (
+            reused not in ids or reused_was in {mine[page_id][:2] for page_id in ids}
+        ):
+            # The index sees the reused page's old pages go only when the id lands somewhere
+            # new; re-stored at its old place (or not at all), only a removal tells it.
             batch.insert(0, PagesRemoved((reused,), "evicted"))
-        self.send(worker, batch)
+        if batch:
+            self.send(worker, batch)
 
     def drop(self, worker: str, victim: int) -> None:
         """Forget a page and the worker's pages below it."""
@@ -680,27 +738,41 @@ class Model:
             for page_id, (namespace, path, generation) in mine.items():
                 expected.setdefault((namespace, path), set()).add((worker, page_id, generation))
         assert self.index.num_pages == len(expected)
-        for (namespace, path), _ in expected.items():
+        for namespace, path in expected:
             prompt = [t for p in path for t in p] + [5, 5, 5]  # a page never stored, a partial
             result = self.index.match(namespace, prompt)
             assert result.matched_tokens == 2 * len(path)
-            for depth, page_match in enumerate(result.pages, start=1):
-                got = {(h.worker_id, h.page_id, h.generation) for h in page_match.holders}
+            held = {span.worker_id: len(span.page_ids) for span in result.spans}
+            assert len(held) == len(result.spans), "a worker has two spans"
+            assert list(result.spans) == sorted(
+                result.spans, key=lambda span: (-len(span.page_ids), span.worker_id)
+            )
+            assert max(held.values()) == len(path)
+            for span in result.spans:
+                assert len(span.generations) == len(span.page_ids) and span.tier == "cpu"
+            for depth in range(1, len(path) + 1):
+                got = {
+                    (span.worker_id, span.page_ids[depth - 1], span.generations[depth - 1])
+                    for span in result.spans
+                    if len(span.page_ids) >= depth
+                }
                 assert got == expected[(namespace, path[:depth])]
-                assert len(got) == len(page_match.holders)
+            for worker in WORKERS:
+                routed = self.index.route(namespace, prompt, {worker: 0.0})
+                assert routed.matched_tokens == 2 * held.get(worker, 0)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(op_strategy, max_size=40))
-def test_index_matches_a_reference_model(ops):
+def run_model(ops: list) -> None:
     index = GlobalIndex(page_tokens=2)
     for worker in WORKERS:
         index.register(worker, epoch=1, node_id="node0", now=0.0)
     model = Model(index)
     for kind, w, a, b, tokens in ops:
         worker = WORKERS[w]
-        if kind in ("store", "overwrite"):
-            model.store(worker, a, b, tokens, overwrite=kind == "overwrite")
+        if kind in ("store", "overwrite", "overwrite_late"):
+            model.store(
+                worker, a, b, tokens, overwrite=kind != "store", late=kind == "overwrite_late"
+            )
         elif kind == "remove":
             model.remove(worker, a)
         elif kind == "clear":
@@ -711,3 +783,37 @@ def test_index_matches_a_reference_model(ops):
             model.restart(worker)
         model.check()
     index.check_integrity()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op_strategy, max_size=40))
+def test_index_matches_a_reference_model(ops):
+    run_model(ops)
+
+
+@pytest.mark.parametrize("segments", [0, 1])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_strategy, max_size=40))
+def test_the_vectorised_lookup_matches_the_model(segments, ops):
+    """Paths walked as at most `segments` runs of node ids, the rest by all keys at once."""
+    with mock.patch.object(index_module, "_MAX_SEGMENTS", segments):
+        run_model(ops)
+
+
+@pytest.mark.parametrize("segments", [0, 4])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_strategy, max_size=40))
+def test_index_matches_the_model_when_every_key_collides(segments, ops):
+    """Zero coefficients and one root key for all namespaces: every node of the index has
+    the same prefix key, so every lookup meets collisions and only the exact comparison of
+    tokens and parents tells the nodes apart."""
+    with (
+        mock.patch.object(index_module, "_draw_coefficients", collide_coefficients),
+        mock.patch.object(index_module, "_root_key", lambda secret, namespace: 1),
+        mock.patch.object(index_module, "_MAX_SEGMENTS", segments),
+    ):
+        run_model(ops)
+
+
+def collide_coefficients(rng: np.random.Generator, count: int) -> np.ndarray:
+    return np.zeros(count, np.int64)

@@ -1,0 +1,81 @@
+"""The service as a detached Ray actor: found by name, restarted, resynced by workers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from cache_service.actor import (
+    RAY_NAMESPACE,
+    SERVICE_NAME,
+    get_service,
+    start_service,
+    stop_service,
+)
+from cache_service.events import Namespace
+from cache_service.server import ServerConfig
+from workers.client import ServiceClient, ray_resolver
+from workers.page_pool import PagePool
+from workers.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.publisher import EventPublisher
+
+pytestmark = pytest.mark.slow
+NS = Namespace("m")
+P = 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+        log_to_driver=False,
+    )
+    yield
+    stop_service()
+    ray.shutdown()
+
+
+def _publish(cache: PrefixCache, tokens: list[int]) -> None:
+    allocation = cache.acquire(tokens, NS)
+    allocation.publish(len(tokens))
+    allocation.release()
+
+
+def test_killed_service_restarts_and_workers_resync(ray_cluster):
+    handle = start_service(ServerConfig(host="loopback", page_tokens=P))
+    first = ray.get(handle.endpoint.remote())
+    assert first["address"].startswith("tcp://127.0.0.1:")
+    assert ray.get_actor(SERVICE_NAME, namespace=RAY_NAMESPACE) is not None
+
+    cache = PrefixCache(PagePool(32), PrefixCacheConfig(page_tokens=P))
+    client = ServiceClient(ray_resolver(), timeout_s=0.5, retries=2)
+    publisher = EventPublisher(client, cache, "w1", node_id="n1")
+    _publish(cache, list(range(13)))
+    assert publisher.sync()
+    assert client.match(NS, list(range(13)))[0] == 12
+
+    ray.kill(handle, no_restart=False)  # the service dies; Ray restarts it
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            second = ray.get(get_service().endpoint.remote(), timeout=5)
+            if second["epoch"] != first["epoch"]:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "service actor did not restart"
+        time.sleep(0.2)
+    assert ray.get(get_service().stats.remote())["pages"] == 0  # a new, empty index
+
+    # The worker notices (its old socket times out, the resolver finds the new address,
+    # the epoch differs) and resyncs; its holdings are matchable again.
+    assert publisher.heartbeat()
+    assert client.match(NS, list(range(13)))[0] == 12
+    assert publisher.resyncs == 2
+    ray.get(get_service().check_integrity.remote())
+    cache.check_integrity()

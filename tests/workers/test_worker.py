@@ -1,0 +1,119 @@
+"""The worker on a tiny model, without Ray: local hits, same-node and cross-node copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_service.server import ServerConfig, make_server
+from workers.model_runner import tiny_llama
+from workers.prefix_cache import PrefixCacheConfig
+from workers.worker import CacheFull, Worker, WorkerSettings
+
+P = 4
+
+
+@pytest.fixture
+def service():
+    server = make_server(ServerConfig(page_tokens=P))
+    server.start()
+    yield server
+    server.stop()
+    server.index.check_integrity()
+
+
+def _worker(service, worker_id: str, node: str, pages: int = 64) -> Worker:
+    settings = WorkerSettings(
+        worker_id=worker_id,
+        node_id=node,
+        host="127.0.0.1",
+        model="tiny",
+        num_pages=pages,
+        cache=PrefixCacheConfig(page_tokens=P),
+        service_address=service.address,
+        publish_interval_s=60.0,
+    )
+    return Worker(settings, model=tiny_llama(), tokenizer=None)
+
+
+@pytest.fixture
+def trio(service):
+    workers = [
+        _worker(service, "a", "n1"),
+        _worker(service, "b", "n1"),
+        _worker(service, "c", "n2"),
+    ]
+    infos = [w.info() for w in workers]
+    for w in workers:
+        w.set_peers(infos)
+    yield workers
+    for w in workers:
+        w.check_integrity()
+        w.shutdown()
+
+
+PREFIX = [(7 * i + 3) % 250 for i in range(37)]
+
+
+def _expected(worker: Worker, tokens: list[int]) -> torch.Tensor:
+    return worker.runner.full_prefill_logits(tokens)
+
+
+def _check(out, expected: torch.Tensor) -> None:
+    got = torch.tensor(out["logits"])
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_prefix_served_locally_then_from_peers(trio):
+    a, b, c = trio
+    cold = a.generate(PREFIX + [1, 2, 3], 6, return_logits=True)
+    assert cold["stats"]["local_hit_tokens"] == 0 and cold["stats"]["remote_hit_tokens"] == 0
+
+    prompt = PREFIX + [9, 9, 9, 9, 9]
+    expected = _expected(a, prompt)
+    again = a.generate(prompt, 6, return_logits=True)  # own cache: 36 of 37 prefix tokens
+    assert again["stats"]["local_hit_tokens"] == 37
+    _check(again, expected)
+
+    same_node = b.generate(prompt, 6, return_logits=True)  # copied out of a's shm
+    assert same_node["stats"]["local_hit_tokens"] == 0
+    assert same_node["stats"]["remote_hit_tokens"] == 40  # all full pages of the prompt
+    assert same_node["token_ids"] == again["token_ids"]
+    _check(same_node, expected)
+
+    other_node = c.generate(prompt + [5], 6, return_logits=True)  # over a's page server
+    assert other_node["stats"]["remote_hit_tokens"] == 40
+    _check(other_node, _expected(c, prompt + [5]))
+    assert a.page_server.pages_sent > 0
+
+
+def test_tenants_never_share(trio):
+    a, b, _ = trio
+    a.generate(PREFIX + [1], 4, salt="tenant-a")
+    out = b.generate(PREFIX + [2], 4, salt="tenant-b")
+    assert out["stats"]["remote_hit_tokens"] == 0 and out["stats"]["local_hit_tokens"] == 0
+    again = a.generate(PREFIX + [3], 4, salt="tenant-b")
+    assert again["stats"]["local_hit_tokens"] == 0
+    assert again["stats"]["remote_hit_tokens"] == 36  # tenant-b's pages on b
+
+
+def test_vanished_peer_pages_are_recomputed(trio):
+    a, b, _ = trio
+    a.generate(PREFIX + [1], 4)
+    a.cache.clear()  # a evicts everything; its events have not reached the service yet
+    prompt = PREFIX + [2]
+    out = b.generate(prompt, 4, return_logits=True)
+    assert out["stats"]["remote_hit_tokens"] == 0  # every copied page failed validation
+    _check(out, _expected(b, prompt))
+
+
+def test_request_too_big_is_cache_full(service):
+    w = _worker(service, "small", "n1", pages=4)
+    try:
+        with pytest.raises(CacheFull, match="do not fit in 4 pages"):
+            w.generate(list(range(40)), 4)
+        with pytest.raises(ValueError, match="empty prompt"):
+            w.generate([], 4)
+        w.check_integrity()
+    finally:
+        w.shutdown()

@@ -1,0 +1,154 @@
+"""Keeps the service's view of one worker's cache right.
+
+The publisher registers the worker, streams its prefix cache's KV events in numbered
+batches, heartbeats, and repairs the service's view with a full resync (a snapshot of
+every published page) whenever it may have diverged:
+
+- the service asked for it (a sequence gap, an unknown parent page);
+- a batch could not be delivered (its events are then lost to the service);
+- the service restarted (its epoch changed) or no longer knows this worker.
+
+A lost reply is harmless: the retry carries the same sequence number, and the service
+ignores a batch it already applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from workers.client import ServiceClient, ServiceError, ServiceUnavailable
+from workers.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+class EventPublisher:
+    """Publishes one worker's cache to the service (see module docstring).
+
+    Args:
+        client: the service client (its own socket: the publisher's thread uses it).
+        cache: the worker's local prefix cache.
+        worker_id, node_id, tier, address: how the worker registers; `address` is its
+            page server, where peers on other nodes read pages.
+        epoch: this incarnation of the worker (default: now, in microseconds).
+    """
+
+    def __init__(
+        self,
+        client: ServiceClient,
+        cache: PrefixCache,
+        worker_id: str,
+        node_id: str,
+        tier: str = "cpu",
+        address: str = "",
+        epoch: int | None = None,
+    ):
+        self.client = client
+        self.cache = cache
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.tier = tier
+        self.address = address
+        self.epoch = time.time_ns() // 1000 if epoch is None else epoch
+        self.seq = 0
+        self.service_epoch: int | None = None
+        self.resyncs = 0
+        self.batches = 0
+        self._needs_sync = True  # nothing registered yet
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sync(self) -> bool:
+        """Register if needed, then deliver pending events or a full resync.
+
+        Returns:
+            True when the service is now up to date with the cache; False when it could
+            not be reached (the next call repairs it with a resync).
+        """
+        with self._lock:
+            try:
+                if self._needs_sync:
+                    self._register_and_resync()
+                else:
+                    self._send_events()
+                return True
+            except ServiceUnavailable as exc:
+                log.warning("worker %s: service unavailable (%s)", self.worker_id, exc)
+                self._needs_sync = True
+                return False
+
+    def heartbeat(self, load: float = 0.0) -> bool:
+        """Tell the service this worker is alive; resync if the service restarted."""
+        with self._lock:
+            try:
+                epoch = self.client.heartbeat(self.worker_id, self.epoch, load)
+            except ServiceUnavailable:
+                self._needs_sync = True
+                return False
+            except ServiceError as exc:
+                if exc.code != "unknown_worker":
+                    raise
+                epoch = None
+            if epoch != self.service_epoch:
+                log.info("worker %s: service epoch changed, resyncing", self.worker_id)
+                self._needs_sync = True
+        return self.sync()
+
+    def start(self, interval_s: float = 0.5) -> None:
+        """Sync and heartbeat every `interval_s` from a daemon thread."""
+        if self._thread is not None:
+            raise RuntimeError("publisher already started")
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(interval_s,),
+            name=f"kvmesh-publisher-{self.worker_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self, bye: bool = True) -> None:
+        """Stop the thread; with `bye`, tell the service to drop this worker now."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if bye:
+            try:
+                self.client.bye(self.worker_id, self.epoch)
+            except (ServiceUnavailable, ServiceError) as exc:
+                log.info("worker %s: bye not delivered (%s)", self.worker_id, exc)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.heartbeat()
+            except Exception:  # keep publishing whatever one round ran into
+                log.exception("worker %s: publisher round failed", self.worker_id)
+
+    def _register_and_resync(self) -> None:
+        self.service_epoch = self.client.register(
+            self.worker_id, self.epoch, self.node_id, self.tier, self.address
+        )
+        chains = self.cache.snapshot(drain_events=True)
+        self.seq += 1
+        self.client.resync(self.worker_id, self.epoch, self.seq, chains)
+        self.resyncs += 1
+        self._needs_sync = False
+
+    def _send_events(self) -> None:
+        events = self.cache.take_events()
+        if not events:
+            return
+        self.seq += 1
+        try:
+            reply = self.client.publish_events(self.worker_id, self.epoch, self.seq, events)
+        except ServiceUnavailable:
+            self._needs_sync = True  # these events are gone: a snapshot will cover them
+            raise
+        self.batches += 1
+        if reply.needs_resync:
+            log.info("worker %s: service asks for a resync (%s)", self.worker_id, reply.reason)
+            self._register_and_resync()

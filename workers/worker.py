@@ -1,0 +1,358 @@
+"""The worker: one per GPU or CPU slot, serving generations over its own and its peers' KV.
+
+A request's path through a worker (see also docs/structure.md):
+
+1. tokens -> `PrefixCache.acquire`: the longest prefix this worker holds, pinned; pages
+   for the rest.
+2. If more of the prompt is cached elsewhere, ask the service (`match`), and copy those
+   pages in when the cost model says copying beats recomputing: straight out of the
+   holder's shared memory on the same node, from its page server across nodes; several
+   holders share the work. Each copied page is validated; the first page that fails
+   ends the copied prefix, and everything after it is recomputed.
+3. The model computes the rest and decodes; `publish` makes the new full pages
+   shareable, the publisher tells the service, `release` unpins.
+
+The class is plain Python (tested without Ray); `cluster` runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from cache_service.events import Namespace
+from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
+from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, tiny_llama
+from workers.page_store import PageStoreError, SharedPageStore
+from workers.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.publisher import EventPublisher
+from workers.transfer import PageClient, PageServer, copy_from_peer
+
+log = logging.getLogger(__name__)
+
+
+class CacheFull(RuntimeError):
+    """The worker's page store cannot hold this request even after evicting everything
+    unreferenced."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What one worker needs to start (built by `cluster` from the config)."""
+
+    worker_id: str
+    node_id: str
+    host: str  # this node's address, for the page server
+    model: str  # "smollm2-135m", or "tiny" (random weights, for tests)
+    num_pages: int
+    cache: PrefixCacheConfig
+    threads: int = 1
+    publish_interval_s: float = 0.5
+    # The service's endpoint; None: resolve it through the Ray actor at every reconnect.
+    service_address: str | None = None
+
+
+class PeerInfo(NamedTuple):
+    worker_id: str
+    node_id: str
+    shm_name: str
+    page_address: str
+
+
+class CostModel(NamedTuple):
+    """Measured at start: is copying a page in cheaper than recomputing its tokens?"""
+
+    prefill_tokens_per_s: float
+    shm_bytes_per_s: float
+    remote_bytes_per_s: float
+
+    def copy_pays(self, pages: int, page_bytes: int, page_tokens: int, remote: bool) -> bool:
+        rate = self.remote_bytes_per_s if remote else self.shm_bytes_per_s
+        return pages * page_bytes / rate < pages * page_tokens / self.prefill_tokens_per_s
+
+
+class Worker:
+    """Holds a page store, the local prefix cache, a page server, the service client and
+    publisher, and the model runner. Thread-safe for concurrent `generate` calls (the
+    model runs one call at a time)."""
+
+    def __init__(self, settings: WorkerSettings, model: Any = None, tokenizer: Any = None):
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        torch.set_num_threads(settings.threads)
+        if model is None:
+            model, tokenizer = self._load_model(settings.model)
+        self.model_name = settings.model
+        self.tokenizer = tokenizer
+        page_tokens = settings.cache.page_tokens
+        layout = store_layout_for(model, settings.num_pages, page_tokens)
+        self.store = SharedPageStore.create(layout, tag=_tag(settings.worker_id))
+        self.cache = PrefixCache(self.store, settings.cache)
+        self.runner = ModelRunner(model, self.store)
+        self.page_server = PageServer(self.store, host=settings.host)
+        endpoint = (
+            ServiceEndpoint(settings.service_address)
+            if settings.service_address
+            else _ray_resolver()
+        )
+        self.client = ServiceClient(endpoint, timeout_s=2.0, retries=1)
+        self.publisher = EventPublisher(
+            ServiceClient(endpoint, timeout_s=2.0, retries=1),
+            self.cache,
+            settings.worker_id,
+            settings.node_id,
+            address=self.page_server.address,
+        )
+        self.publisher.sync()
+        self.publisher.start(settings.publish_interval_s)
+        self.peers: dict[str, PeerInfo] = {}
+        self._attached: dict[str, SharedPageStore] = {}
+        self._page_clients: dict[str, PageClient] = {}
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.active = 0
+        self.cost = self._measure_costs()
+
+    # ------------------------------------------------------------------ public
+
+    def info(self) -> dict[str, Any]:
+        """How peers reach this worker's pages."""
+        return PeerInfo(
+            self.worker_id, self.settings.node_id, self.store.name, self.page_server.address
+        )._asdict()
+
+    def set_peers(self, peers: Sequence[dict[str, Any]]) -> None:
+        """The other workers of the cluster (as returned by their `info`)."""
+        self.peers = {
+            p["worker_id"]: PeerInfo(**p) for p in peers if p["worker_id"] != self.worker_id
+        }
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 16,
+        salt: str = "",
+        adapter: str = "",
+        return_logits: bool = False,
+    ) -> dict[str, Any]:
+        """Generate greedily from `prompt`, reusing every cached prefix it can.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            max_new_tokens: tokens to generate.
+            salt: the tenant's salt, set by the front door (never by the end user).
+            adapter: the adapter version the KV was computed with.
+            return_logits: also return the last prompt position's logits (as "logits",
+                a list of floats), for correctness checks.
+        Returns:
+            {"token_ids", "text", "stats": {local_hit_tokens, remote_hit_tokens,
+            computed_tokens, prompt_tokens, ttft_s, total_s, worker}}.
+        Raises:
+            ValueError: an empty prompt or bad max_new_tokens.
+            CacheFull: the request does not fit in this worker's pages.
+        """
+        start = time.perf_counter()
+        tokens = self._tokenize(prompt)
+        if not tokens:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        namespace = Namespace(self.model_name, adapter, salt)
+        with self._lock:
+            self.active += 1
+        try:
+            allocation = self.cache.acquire(tokens, namespace, extra_token_slots=max_new_tokens)
+            if allocation is None:
+                raise CacheFull(
+                    f"{len(tokens)} + {max_new_tokens} tokens do not fit in "
+                    f"{self.store.num_pages} pages of {self.cache.page_tokens}"
+                )
+            try:
+                local = allocation.cached_tokens
+                computed_from = self._copy_in(allocation, tokens, namespace)
+                result = self.runner.generate(
+                    allocation, max_new_tokens, computed_from=computed_from
+                )
+                ttft = time.perf_counter() - start - result.decode_s
+                allocation.publish(allocation.num_tokens)
+            finally:
+                allocation.release()
+            self.publisher.sync()
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.requests += 1
+        text = self.tokenizer.decode(result.token_ids) if self.tokenizer is not None else ""
+        extra = {"logits": result.prefill.logits.tolist()} if return_logits else {}
+        return {
+            **extra,
+            "token_ids": list(result.token_ids),
+            "text": text,
+            "stats": {
+                "local_hit_tokens": local,
+                "remote_hit_tokens": computed_from - local,
+                "computed_tokens": len(tokens) - computed_from,
+                "prompt_tokens": len(tokens),
+                "ttft_s": ttft,
+                "total_s": time.perf_counter() - start,
+                "worker": self.worker_id,
+            },
+        }
+
+    def load(self) -> float:
+        """Requests running now (what routing weighs against cached tokens)."""
+        return float(self.active)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker_id,
+            "node": self.settings.node_id,
+            "requests": self.requests,
+            "cache": self.cache.stats(),
+            "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
+            "pages_served": self.page_server.pages_sent,
+        }
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        self.store.check_integrity()
+
+    def shutdown(self) -> None:
+        """Leave the service, stop serving pages, unlink the page store (idempotent)."""
+        self.publisher.stop(bye=True)
+        self.page_server.stop()
+        for client in self._page_clients.values():
+            client.close()
+        for store in self._attached.values():
+            store.close()
+        self._attached.clear()
+        self.client.close()
+        self.store.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _copy_in(self, allocation, tokens: list[int], namespace: Namespace) -> int:
+        """Copy what peers hold beyond our own prefix; returns where computing starts."""
+        local = allocation.cached_tokens
+        p = self.cache.page_tokens
+        if not self.peers or local >= len(tokens) - 1:
+            return local
+        try:
+            matched, spans = self.client.match(namespace, tokens, requester=self.worker_id)
+        except ServiceUnavailable:
+            return local  # no service: a miss, not an error
+        first, end = local // p, min(matched, len(tokens) - 1) // p
+        if end <= first:
+            return local
+        plan = self._plan(spans, first, end)
+        if not plan:
+            return local
+        copied_to = first
+        for holder, pages, gens, page_range in plan:
+            peer = self.peers[holder]
+            targets = allocation.pages[page_range[0] : page_range[1]]
+            remote = peer.node_id != self.settings.node_id
+            if not self.cost.copy_pays(len(pages), self.store.layout.page_bytes, p, remote):
+                break
+            valid = self._fetch(peer, pages, gens, targets, remote)
+            good = next((i for i, ok in enumerate(valid) if not ok), len(valid))
+            copied_to = page_range[0] + good
+            if good < len(valid):
+                break  # a changed page ends the usable prefix: recompute from there
+        return max(local, min(copied_to * p, len(tokens) - 1))
+
+    def _plan(self, spans, first: int, end: int) -> list[tuple[str, list, list, tuple]]:
+        """Split pages [first, end) among holders: same-node holders first, and the range
+        shared evenly between the holders that cover it (several peers at once)."""
+        usable = [s for s in spans if s.worker_id in self.peers and len(s.page_ids) > first]
+        if not usable:
+            return []
+        local_node = [s for s in usable if self.peers[s.worker_id].node_id == self.settings.node_id]
+        holders = local_node or usable
+        reach = max(len(s.page_ids) for s in holders)
+        end = min(end, reach)
+        plan = []
+        page = first
+        while page < end:
+            covering = [s for s in holders if len(s.page_ids) > page]
+            stop = min(end, min(len(s.page_ids) for s in covering))
+            share = -(-(stop - page) // len(covering))
+            for span in covering:
+                if page >= stop:
+                    break
+                upto = min(stop, page + share)
+                plan.append(
+                    (
+                        span.worker_id,
+                        list(span.page_ids[page:upto]),
+                        list(span.generations[page:upto]),
+                        (page, upto),
+                    )
+                )
+                page = upto
+        return plan
+
+    def _fetch(self, peer: PeerInfo, pages, gens, targets, remote: bool) -> list[bool]:
+        if remote:
+            client = self._page_clients.get(peer.page_address)
+            if client is None:
+                client = self._page_clients[peer.page_address] = PageClient(peer.page_address)
+            return client.fetch(pages, gens, self.store, targets)
+        try:
+            store = self._attached.get(peer.shm_name)
+            if store is None:
+                store = self._attached[peer.shm_name] = SharedPageStore.attach(peer.shm_name)
+            return copy_from_peer(store, pages, gens, self.store, targets)
+        except (PageStoreError, FileNotFoundError, ValueError) as exc:
+            log.warning("copy from %s failed: %s", peer.worker_id, exc)
+            self._attached.pop(peer.shm_name, None)
+            return [False] * len(pages)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this worker's model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def _load_model(name: str) -> tuple[Any, Any]:
+        if name == "tiny":
+            return tiny_llama(), None
+        if name == "smollm2-135m":
+            return load_smollm2()
+        raise ValueError(f"unknown model {name!r}; known: smollm2-135m, tiny")
+
+    def _measure_costs(self) -> CostModel:
+        """Prefill tokens/s of this model here, and page copy bytes/s (one page, twice)."""
+        probe = list(range(1, 33))
+        start = time.perf_counter()
+        self.runner.full_prefill_logits(probe)
+        prefill_tps = len(probe) / (time.perf_counter() - start)
+        page = self.store.page(0)
+        scratch = torch.empty_like(page)
+        start = time.perf_counter()
+        for _ in range(4):
+            scratch.copy_(page)
+        shm_bps = 4 * self.store.layout.page_bytes / (time.perf_counter() - start)
+        # Loopback/network transfers measured ~5x slower than memcpy here; a page server
+        # round trip is charged at that rate.
+        return CostModel(prefill_tps, shm_bps, shm_bps / 5)
+
+
+def _tag(worker_id: str) -> str:
+    tag = re.sub(r"[^a-z0-9_]", "_", worker_id.lower())[:32]
+    return tag or "worker"
+
+
+def _ray_resolver():
+    from workers.client import ray_resolver
+
+    return ray_resolver()
