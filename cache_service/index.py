@@ -91,8 +91,8 @@ _INLINE_HOLDERS = 4
 _EXTRA = _INLINE_HOLDERS  # the "column" of a holding kept in the side dict
 _MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
 _NO_NODES = np.zeros(0, np.intp)
-# A path walked as more segments than this is finished with the vectorised lookup.
-_MAX_SEGMENTS = 4
+# A path walked as more runs than this is finished with the vectorised lookup.
+_MAX_RUNS = 4
 _BIG_ENDIAN = sys.byteorder == "big"
 _new_tuple = tuple.__new__
 
@@ -851,10 +851,10 @@ class GlobalIndex:
                 self._last_access_arr[path.start : path.start + path.length] = self._clock
             else:
                 self._last_access_arr.put(path.nodes, self._clock)
-            runs = self._runs(path)
+            holdings = self._holdings(path)
             requester_slot = self._requester_slot(requester)
-            local = next((held for slot, held, _ in runs if slot == requester_slot), 0)
-            built = [self._span(path, slot, held, column) for slot, held, column in runs]
+            local = next((held for slot, held, _ in holdings if slot == requester_slot), 0)
+            built = [self._span(path, slot, held, column) for slot, held, column in holdings]
             if len(built) > 1:
                 built.sort(key=_span_order)
             spans = tuple(built)
@@ -906,7 +906,7 @@ class GlobalIndex:
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
         path = self._path(namespace, data)
-        held = {slot: pages for slot, pages, _ in self._runs(path)} if path.length else {}
+        held = {slot: pages for slot, pages, _ in self._holdings(path)} if path.length else {}
         prompt_tokens = len(data) // 4
 
         def rank(slot: int) -> tuple[float, float, str]:
@@ -1373,7 +1373,7 @@ class GlobalIndex:
         the node of the next page through its key (checking its parent and tokens), then
         take as many of the following node ids as continue the chain (a parent of node
         id - 1, a flag per node) and hold the prompt's next pages (one bytes comparison).
-        A fragmented path (more than _MAX_SEGMENTS runs) finishes with every remaining
+        A fragmented path (more than _MAX_RUNS runs) is finished with every remaining
         page's key at once (`_lookup`).
         """
         root = self._roots.get(namespace)
@@ -1384,7 +1384,7 @@ class GlobalIndex:
         parent, done = root, 0
         size = self._page_bytes
         while done < pages:
-            if len(runs) == _MAX_SEGMENTS:
+            if len(runs) == _MAX_RUNS:
                 rest = self._lookup(parent, done, pages, data)
                 return _Path(0, done + len(rest), np.concatenate([*map(_node_range, runs), rest]))
             key = self._page_key(parent, done, data)
@@ -1457,14 +1457,14 @@ class GlobalIndex:
             found.append(parent)
         return np.array(found, dtype=np.intp)
 
-    def _runs(self, path: _Path) -> list[tuple[int, int, int]]:
+    def _holdings(self, path: _Path) -> list[tuple[int, int, int]]:
         """(slot, pages held, column) of every holder of the first node of a path.
 
         Each holder holds a leading run of the path (prefix closure) in one column
         (column consistency), so column c along the path is its holder's run, then empty.
         """
         first, last = path.node(0), path.node(path.length - 1)
-        runs = []
+        holdings = []
         for column, slots in enumerate(self._holder_slot):
             slot = slots[first]
             if slot == _NONE:
@@ -1473,13 +1473,13 @@ class GlobalIndex:
                 held = path.length
             else:
                 held = int(np.count_nonzero(path.of(self._holder_slot_cols[column]) == slot))
-            runs.append((slot, held, column))
+            holdings.append((slot, held, column))
         for slot, _, _ in self._extra_holders.get(first, ()):
             held = 1
             while held < path.length and self._column_of(path.node(held), slot) == _EXTRA:
                 held += 1
-            runs.append((slot, held, _EXTRA))
-        return runs
+            holdings.append((slot, held, _EXTRA))
+        return holdings
 
     def _span(self, path: _Path, slot: int, held: int, column: int) -> HolderSpan:
         worker = self._slots[slot]
@@ -1541,7 +1541,8 @@ class GlobalIndex:
     def _check_keys(self, pages: np.ndarray) -> None:
         """Every page's depth and key follow from its parent's and its own tokens."""
         size = self.page_tokens
-        assert self._max_depth >= (self._depth_arr[pages].max() if len(pages) else 0)
+        deepest = self._depth_arr[pages].max() if len(pages) else 0
+        assert self._max_depth >= deepest, f"a node at depth {deepest} > {self._max_depth}"
         positions = np.arange(size)
         for start in range(0, len(pages), 1 << 16):  # in chunks: bounded temporaries
             chunk = pages[start : start + (1 << 16)]

@@ -10,10 +10,12 @@ Every frame is one msgpack map, the envelope:
 `encode` / `decode` are the only way frames are made and read, so the checks live here:
 
 - size first: a frame over `Limits.max_frame_bytes` is refused before msgpack sees it;
-- structure before objects: the frame is walked once by msgpack's C skipper, which builds
-  nothing, so a truncated frame whose headers claim huge arrays or maps (and would make the
-  decoder preallocate them, level after level) is refused without allocating;
-- then msgpack decodes with explicit limits (`raw=False`, `strict_map_key=True`, no ext
+- bounded allocation: msgpack preallocates every array and map a header announces, so a
+  truncated frame could claim huge ones level after level. A frame of short lists and maps
+  (every hot message) decodes in one pass under limits that cap that at about 1 MiB; any
+  other frame is first walked by msgpack's C skipper, which builds nothing, and decoded
+  only if it is complete;
+- msgpack decodes with explicit limits (`raw=False`, `strict_map_key=True`, no ext
   types) and every field is checked: exact field sets, exact types (a bool is not an int),
   ranges (int64; ids, sequence numbers and counts non-negative; loads finite and >= 0),
   token payloads a whole number of int32;
@@ -33,6 +35,7 @@ A match reply lists one span per holder, [worker_id, tier, page_ids, generations
 page ids packed as little-endian int32 and its generations as little-endian int64 (one
 bytes object each, not a list of ints: a 128-page span then costs two bin fields to pack
 and check), and decodes into `cache_service.index.HolderSpan` tuples.
+
 Events travel as compact tagged lists (`encode_event`) and decode into the NamedTuples
 of `cache_service.events`; `PagesStored.tokens` is a tuple of ints there (unpacked once
 through numpy), and `packed_tokens(event)` still returns the bytes off the wire without
@@ -885,7 +888,7 @@ def _unpack(frame: Any, limits: Limits) -> Any:
     # The decoder preallocates every array and map its header announces, and headers of a
     # truncated frame may announce far more than the frame holds, level after level. With
     # short lists only (_FAST_LIST_LEN items, _FAST_MAP_LEN keys: every hot message) that
-    # is at most 1,024 levels (msgpack's stack) of 1 KiB: decode at once.
+    # is at most 1,024 levels (msgpack's stack) of about 1 KiB: decode at once.
     kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
     try:
         return msgpack.unpackb(frame, **kwargs)

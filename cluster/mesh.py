@@ -43,6 +43,7 @@ class GenerateResult(NamedTuple):
     token_ids: list[int]
     text: str
     stats: dict[str, Any]
+    logits: list[float] | None = None  # the last prompt position's, when asked for
 
 
 class WorkerActor(Worker):
@@ -166,6 +167,7 @@ class Mesh:
         max_new_tokens: int = 16,
         tenant: str = "default",
         worker: str | None = None,
+        return_logits: bool = False,
     ) -> GenerateResult:
         """Generate from a prompt on the worker that holds most of its prefix.
 
@@ -174,6 +176,7 @@ class Mesh:
             max_new_tokens: tokens to generate (greedy).
             tenant: the tenant's name; its pages are never shared with other tenants.
             worker: run on this worker instead of routing (for tests and benchmarks).
+            return_logits: also return the last prompt position's logits.
         Returns:
             GenerateResult(token_ids, text, stats); stats include local_hit_tokens,
             remote_hit_tokens, computed_tokens, ttft_s and worker.
@@ -195,11 +198,14 @@ class Mesh:
         with self._lock:
             self._inflight[worker] += 1
         try:
-            out = ray.get(self.workers[worker].generate.remote(tokens, max_new_tokens, salt))
+            call = self.workers[worker].generate.remote(
+                tokens, max_new_tokens, salt, return_logits=return_logits
+            )
+            out = ray.get(call)
         finally:
             with self._lock:
                 self._inflight[worker] -= 1
-        return GenerateResult(out["token_ids"], out["text"], out["stats"])
+        return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
 
     def salt(self, tenant: str) -> str:
         """The namespace salt of a tenant (derived here, never taken from a client)."""

@@ -569,6 +569,95 @@ def test_route_falls_back_to_the_least_loaded():
     index.check_integrity()
 
 
+# ---- paths of many runs, the key table ---------------------------------------------------
+
+
+def make_fragmented_index() -> GlobalIndex:
+    """a's pages 1, 2, 3 published one at a time, interleaved with c's: node ids 1, 3, 5."""
+    index = make_index("a", "c")
+    for seq, (mine, theirs) in enumerate([(1, 9), (2, 8), (3, 7)], start=1):
+        parent = None if seq == 1 else seq - 2
+        apply_ok(index, "a", seq, stored((seq - 1,), (mine,), parent=parent))
+        apply_ok(index, "c", seq, stored((seq - 1,), (theirs,), parent=parent))
+    return index
+
+
+@pytest.mark.parametrize("runs", [4, 1, 0])
+def test_a_path_of_many_runs(runs):
+    index = make_fragmented_index()
+    with mock.patch.object(index_module, "_MAX_RUNS", runs):
+        assert index._path(NS, pack_tokens(make_tokens(1, 2, 3))).nodes.tolist() == [1, 3, 5]
+        assert spans(index.match(NS, make_tokens(1, 2, 3, 4))) == [("a", (0, 1, 2))]
+        assert spans(index.match(NS, make_tokens(9, 8, 5))) == [("c", (0, 1))]
+        assert index.route(NS, make_tokens(1, 2, 3), {"a": 0.0, "c": 0.0}).matched_tokens == 3 * P
+    index.check_integrity()
+
+
+def test_a_chain_published_at_once_is_one_run():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((5, 6, 7), (1, 2, 3)))
+    path = index._path(NS, pack_tokens(make_tokens(1, 2, 3, 4)))
+    assert (path.start, path.length, path.nodes) == (1, 3, None)  # node 0 is the root
+    assert index._path(NS, pack_tokens(make_tokens(1, 2, 4))).length == 2
+    index.check_integrity()
+
+
+def crowded_key(home: int, variant: int) -> int:
+    """An odd int64 key whose top ten bits are `home`: its home slot in a fresh table."""
+    key = home << 54 | (2 * variant + 1)
+    return key - 2**64 if key >= 2**63 else key
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.sampled_from([0, 1, 2, 1000, 1023]), st.integers(0, 5)),
+        max_size=400,
+    )
+)
+def test_the_key_table_is_a_multimap(ops):
+    """Keys crowded onto a few home slots (the last ones too) and repeated: long probe runs,
+    equal keys, backward-shift deletion."""
+    table = index_module._KeyTable()
+    model: dict[int, list[int]] = {}
+    for node, (insert, home, variant) in enumerate(ops):
+        key = crowded_key(home, variant)
+        if insert or not model.get(key):
+            table.insert(key, node)
+            model.setdefault(key, []).append(node)
+        else:
+            table.remove(key, model[key].pop(len(model[key]) // 2))
+        for probe, nodes in model.items():
+            assert sorted(table.candidates(probe)) == sorted(nodes)
+    check_table(table, model)
+
+
+def test_the_key_table_grows_and_shrinks():
+    table = index_module._KeyTable()
+    keys = [crowded_key((0, 1, 2, 500, 1021, 1022, 1023)[home % 7], home) for home in range(3000)]
+    for node, key in enumerate(keys):
+        table.insert(key, node)
+    assert table._bits == 13  # at most half full
+    check_table(table, {key: [node] for node, key in enumerate(keys)})
+    for node, key in enumerate(keys[:2900]):
+        table.remove(key, node)
+    assert table._bits == 10
+    check_table(table, {key: [node + 2900] for node, key in enumerate(keys[2900:])})
+
+
+def check_table(table, model: dict[int, list[int]]) -> None:
+    stored_keys, nodes = table.check()
+    assert sorted(zip(stored_keys.tolist(), nodes.tolist(), strict=True)) == sorted(
+        (key, node) for key, held in model.items() for node in held
+    )
+    present = [key for key, held in model.items() if held]
+    found = table.find_run(np.array(present, np.int64)).tolist()
+    assert len(found) == len(present)
+    assert all(node in model[key] for key, node in zip(present, found, strict=True))
+    absent = crowded_key(1000, 99)
+    assert table.find_run(np.array([absent, *present[:1]], np.int64)).size == 0
+
+
 # ---- integrity and memory ---------------------------------------------------------------
 
 
@@ -577,6 +666,35 @@ def test_check_integrity_catches_a_broken_reverse_map():
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     index._workers["a"].pages.pop(1)  # corrupt on purpose
     with pytest.raises(AssertionError, match="2 holders on nodes, 1 in reverse maps"):
+        index.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda index: index._key_arr.__setitem__(2, index._key_arr[2] + 2), "wrong key"),
+        (lambda index: index._chained_arr.__setitem__(2, 0), "chained flag"),
+        (lambda index: index._holder_count_arr.__setitem__(2, 2), "holder count"),
+        (lambda index: index._depth_arr.__setitem__(2, 5), "depth"),
+        (lambda index: index._tokens_arr.__setitem__((2, 0), 7), "does not match its page"),
+    ],
+)
+def test_check_integrity_catches_corruption(corrupt, message):
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    index.check_integrity()
+    corrupt(index)
+    with pytest.raises(AssertionError, match=message):
+        index.check_integrity()
+
+
+def test_check_integrity_catches_a_worker_changing_columns():
+    index = make_index("a", "b")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    apply_ok(index, "b", 1, stored((0, 1), (1, 2)))
+    slots = index._holder_slot_arr
+    slots[2, [0, 1]] = slots[2, [1, 0]]  # node 2: a and b swap columns, node 1 does not
+    with pytest.raises(AssertionError, match="same column"):
         index.check_integrity()
 
 
@@ -791,26 +909,26 @@ def test_index_matches_a_reference_model(ops):
     run_model(ops)
 
 
-@pytest.mark.parametrize("segments", [0, 1])
+@pytest.mark.parametrize("runs", [0, 1])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op_strategy, max_size=40))
-def test_the_vectorised_lookup_matches_the_model(segments, ops):
-    """Paths walked as at most `segments` runs of node ids, the rest by all keys at once."""
-    with mock.patch.object(index_module, "_MAX_SEGMENTS", segments):
+def test_the_vectorised_lookup_matches_the_model(runs, ops):
+    """Paths walked as at most `runs` runs of node ids, the rest by all keys at once."""
+    with mock.patch.object(index_module, "_MAX_RUNS", runs):
         run_model(ops)
 
 
-@pytest.mark.parametrize("segments", [0, 4])
+@pytest.mark.parametrize("runs", [0, 4])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op_strategy, max_size=40))
-def test_index_matches_the_model_when_every_key_collides(segments, ops):
+def test_index_matches_the_model_when_every_key_collides(runs, ops):
     """Zero coefficients and one root key for all namespaces: every node of the index has
     the same prefix key, so every lookup meets collisions and only the exact comparison of
     tokens and parents tells the nodes apart."""
     with (
         mock.patch.object(index_module, "_draw_coefficients", collide_coefficients),
         mock.patch.object(index_module, "_root_key", lambda secret, namespace: 1),
-        mock.patch.object(index_module, "_MAX_SEGMENTS", segments),
+        mock.patch.object(index_module, "_MAX_RUNS", runs),
     ):
         run_model(ops)
 
