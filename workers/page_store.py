@@ -60,6 +60,7 @@ _HEADER = struct.Struct("<8s10q")
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere fault lazily
 _TAG_RE = re.compile(r"[a-z0-9_]{1,32}")
 _NAME_RE = re.compile(r"kvmesh-(\d+)-(\d+)-([a-z0-9_]{1,32})")
 
@@ -364,7 +365,15 @@ class SharedPageStore:
                 raise PageStoreError(
                     f"cannot reserve {size} bytes in {SHM_DIR} for segment {name!r}: {e}"
                 ) from None
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE faults every page in now: otherwise the first write to each
+            # 4 KiB (a copy landing from a peer, a prefill) pays a page fault, which
+            # costs more than the copy itself.
+            mm = mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except BaseException:
             os.unlink(path)
             raise

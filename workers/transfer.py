@@ -187,7 +187,9 @@ class PageServer:
             # Zero-copy: ZMQ reads the bytes straight out of shared memory.
             view = memoryview(self.store.page(page).numpy()).cast("B")
             flags = zmq.SNDMORE if i + 1 < len(pages) else 0
-            tracker = socket.send(view, flags, copy=False, track=True)
+            # Frames leave in order, so once the last one is released all are.
+            last = i + 1 == len(pages)
+            tracker = socket.send(view, flags, copy=False, track=last)
         if tracker is not None:
             tracker.wait(30.0)  # ZMQ has read every page: now the generations tell
         after = np.asarray(self.store.generations(pages), dtype=np.int64)

@@ -176,7 +176,9 @@ class Worker:
                 )
             try:
                 local = allocation.cached_tokens
+                copy_start = time.perf_counter()
                 computed_from = self._copy_in(allocation, tokens, namespace)
+                copy_s = time.perf_counter() - copy_start
                 result = self.runner.generate(
                     allocation, max_new_tokens, computed_from=computed_from
                 )
@@ -201,6 +203,8 @@ class Worker:
                 "computed_tokens": len(tokens) - computed_from,
                 "prompt_tokens": len(tokens),
                 "ttft_s": ttft,
+                "prefill_forward_s": result.prefill.forward_s,
+                "copy_s": copy_s,
                 "total_s": time.perf_counter() - start,
                 "worker": self.worker_id,
             },
