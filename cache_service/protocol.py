@@ -130,6 +130,7 @@ class Limits:
     # A max_tokens prompt packs to 4 MiB; the other half is headroom for an events batch.
     max_frame_bytes: int = 8 << 20
     # One million token ids in one field (4 MiB of int32): longer than any context we serve.
+    # It bounds the pages of one match span too (a page holds at least one token).
     max_tokens: int = 1 << 20
     # Elements of one list or entries of one map: the pages of a max_tokens prompt at
     # 8 tokens a page. Allocation stays bounded by the frame itself (see _unpack).
@@ -446,8 +447,8 @@ def _loads_wire(value: Any) -> Any:
 _NON_NEGATIVE_TOP_BYTES = bytes(range(0x80))
 _tuple_new = tuple.__new__
 # Compiled little-endian formats by element count: a compiled Struct packs a 128-page span
-# in half the time of struct.pack with a format string. Counts past _CACHED_COUNT (longer
-# than any prompt we serve page by page) compile afresh, so the cache stays small.
+# in half the time of struct.pack with a format string. Counts past _CACHED_COUNT compile
+# afresh each time, so no peer can grow the cache without bound.
 _CACHED_COUNT = 4096
 _INT32_STRUCTS: dict[int, struct.Struct] = {}
 _INT64_STRUCTS: dict[int, struct.Struct] = {}
@@ -539,7 +540,8 @@ def _check_span(value: Any, path: str, limits: Limits) -> None:
 
 
 def _spans_wire(value: Any) -> Any:
-    """Spans -> wire lists; page ids and generations may be int sequences, arrays or bytes."""
+    """Spans -> wire lists: HolderSpans, PackedSpans (sent as they are), or 4-item lists
+    whose page ids and generations are int sequences, arrays or packed bytes."""
     if not isinstance(value, list | tuple):
         return value
     wire = []
@@ -547,6 +549,9 @@ def _spans_wire(value: Any) -> Any:
         if not isinstance(span, list | tuple) or len(span) != 4:
             raise _bad(f"[{index}]", "HolderSpan(worker_id, tier, page_ids, generations)", span)
         worker, tier, page_ids, generations = span
+        if type(page_ids) is bytes and type(generations) is bytes:  # a PackedSpan's
+            wire.append([worker, tier, page_ids, generations])
+            continue
         if type(page_ids) is tuple and type(generations) is tuple:  # a HolderSpan's
             try:
                 int32 = _INT32_STRUCTS.get(len(page_ids)) or _int_struct(len(page_ids), "i")

@@ -17,6 +17,8 @@ from cache_service.index import (
     GlobalIndex,
     HolderSpan,
     MatchResult,
+    PackedMatch,
+    PackedSpan,
     Registration,
     RouteDecision,
     WorkerInfo,
@@ -86,6 +88,23 @@ def test_match_returns_one_span_per_holder():
         ),
     )
     assert index.num_pages == 3
+    index.check_integrity()
+
+
+def test_a_packed_match_carries_the_wire_bytes():
+    index = make_index("a", "b")
+    apply_ok(index, "b", 1, stored((3, 4), (1, 2), generations=(2**40, 1)))
+    apply_ok(index, "a", 1, stored((10, 11, 12), (1, 2, 3), generations=(5, 6, 7)))
+    packed = index.match_packed(NS, make_tokens(1, 2, 3, 4), requester="b")
+    assert packed == PackedMatch(
+        12,
+        (
+            PackedSpan("a", "cpu", struct.pack("<3i", 10, 11, 12), struct.pack("<3q", 5, 6, 7)),
+            PackedSpan("b", "cpu", struct.pack("<2i", 3, 4), struct.pack("<2q", 2**40, 1)),
+        ),
+    )
+    assert unpacked(packed) == index.match(NS, make_tokens(1, 2, 3, 4), requester="b")
+    assert index.stats()["workers"]["b"]["local_hit_tokens"] == 2 * 2 * P  # both counted
     index.check_integrity()
 
 
@@ -878,6 +897,19 @@ class Model:
             for worker in WORKERS:
                 routed = self.index.route(namespace, prompt, {worker: 0.0})
                 assert routed.matched_tokens == 2 * held.get(worker, 0)
+            assert unpacked(self.index.match_packed(namespace, prompt)) == result
+
+
+def unpacked(packed: PackedMatch) -> MatchResult:
+    """A packed match with its page ids and generations as tuples again."""
+    spans = []
+    for span in packed.spans:
+        count = len(span.page_ids) // 4
+        assert len(span.generations) == 8 * count
+        page_ids = struct.unpack(f"<{count}i", span.page_ids)
+        generations = struct.unpack(f"<{count}q", span.generations)
+        spans.append(HolderSpan(span.worker_id, span.tier, page_ids, generations))
+    return MatchResult(packed.matched_tokens, tuple(spans))
 
 
 def run_model(ops: list) -> None:

@@ -263,6 +263,8 @@ def test_a_match_result_round_trips():
     result = index.match(NS, pack_tokens(tokens + [99]), requester="b")
     body = {"matched_tokens": result.matched_tokens, "spans": result.spans}
     got = decode(encode(ok_reply(GOOD_MATCH, body), check=False), "reply").body
+    packed = index.match_packed(NS, pack_tokens(tokens), requester="b")._asdict()
+    assert decode(encode(ok_reply(GOOD_MATCH, packed)), "reply").body == got
     assert got == body and got["spans"] == (
         HolderSpan("a", "gpu", (7, 8, 9), (1, 2, 3)),
         HolderSpan("b", "gpu", (4,), (2**40,)),
