@@ -280,7 +280,8 @@ class ServiceServer:
         return {"pages": 0 if info is None else info.pages}
 
     def _match(self, body: dict[str, Any]) -> dict[str, Any]:
-        result = self.index.match(body["namespace"], body["tokens"], body["requester"])
+        # Packed spans go out as the bytes the index made; no ints built and repacked.
+        result = self.index.match_packed(body["namespace"], body["tokens"], body["requester"])
         return {"matched_tokens": result.matched_tokens, "spans": list(result.spans)}
 
     def _route(self, body: dict[str, Any]) -> dict[str, Any]:
