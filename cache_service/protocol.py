@@ -17,8 +17,8 @@ Every frame is one msgpack map, the envelope:
   only if it is complete;
 - msgpack decodes with explicit limits (`raw=False`, `strict_map_key=True`, no ext
   types) and every field is checked: exact field sets, exact types (a bool is not an int),
-  ranges (int64; ids, sequence numbers and counts non-negative; loads finite and >= 0),
-  token payloads a whole number of int32;
+  ranges (int64; ids, sequence numbers and counts non-negative; page ids int32; loads
+  finite and >= 0), token payloads a whole number of int32;
 - depth: beyond msgpack's own stack limit, each message type may nest only as deep as its
   schema. Fixed schemas hold scalars at their leaves, so anything deeper fails their checks
   and a level-by-level walk (no recursion) then reports it as too_deep; the free-form stats
@@ -389,14 +389,28 @@ def _check_list(value: Any, path: str, limits: Limits) -> list:
     return value
 
 
-def _check_counts(value: Any, path: str, limits: Limits) -> tuple[int, ...]:
-    """A list of non-negative int64 (page ids, generations)."""
+def _check_counts(
+    value: Any, path: str, limits: Limits, highest: int = INT64_MAX
+) -> tuple[int, ...]:
+    """A list of ints in [0, highest]: generations (int64), page ids (int32)."""
     items = _check_list(value, path, limits)
     # The whole list is checked at C speed; the slow loop only runs to name the culprit.
-    if items and (not set(map(type, items)) <= {int} or min(items) < 0 or max(items) > INT64_MAX):
+    if items and (not set(map(type, items)) <= {int} or min(items) < 0 or max(items) > highest):
+        check = _check_count if highest == INT64_MAX else _check_page_id
         for index, item in enumerate(items):
-            _check_count(item, f"{path}[{index}]", limits)
+            check(item, f"{path}[{index}]", limits)
     return tuple(items)
+
+
+def _check_page_id(value: Any, path: str, limits: Limits) -> int:
+    """A page id: a non-negative int32 (match replies carry page ids as int32)."""
+    if type(value) is not int or not 0 <= value <= INT32_MAX:
+        raise _bad(path, "int in [0, 2**31-1]", value)
+    return value
+
+
+def _check_page_ids(value: Any, path: str, limits: Limits) -> tuple[int, ...]:
+    return _check_counts(value, path, limits, INT32_MAX)
 
 
 def _check_namespace(value: Any, path: str, limits: Limits) -> Namespace:
@@ -704,7 +718,7 @@ def decode_event(value: Any, limits: Limits | None = None, path: str = "event") 
         return _decode_stored(value, path, limits)
     if tag == REMOVED_TAG and len(value) == 3:
         _, page_ids, reason = value
-        ids = _check_counts(page_ids, f"{path}.page_ids", limits)
+        ids = _check_page_ids(page_ids, f"{path}.page_ids", limits)
         if not ids:
             raise _bad(f"{path}.page_ids", "at least one page id", page_ids)
         if type(reason) is not str or reason not in REMOVAL_REASONS:
@@ -720,7 +734,7 @@ def decode_event(value: Any, limits: Limits | None = None, path: str = "event") 
 
 def _decode_stored(value: list, path: str, limits: Limits) -> PagesStored:
     _, namespace, parent, page_ids, generations, tokens = value
-    ids = _check_counts(page_ids, f"{path}.page_ids", limits)
+    ids = _check_page_ids(page_ids, f"{path}.page_ids", limits)
     gens = _check_counts(generations, f"{path}.generations", limits)
     if not ids:
         raise _bad(f"{path}.page_ids", "at least one page id", page_ids)
@@ -734,7 +748,7 @@ def _decode_stored(value: list, path: str, limits: Limits) -> PagesStored:
         )
     event = _WirePagesStored(
         _check_namespace(namespace, f"{path}.namespace", limits),
-        None if parent is None else _check_count(parent, f"{path}.parent_page", limits),
+        None if parent is None else _check_page_id(parent, f"{path}.parent_page", limits),
         ids,
         gens,
         tuple(unpack_tokens(packed).tolist()),

@@ -274,6 +274,7 @@ def test_a_match_result_round_trips():
 
 names = st.text(min_size=1, max_size=12)
 counts = st.integers(0, 2**63 - 1)
+page_ids = st.integers(0, 2**31 - 1)  # int32: match replies carry them so
 token_ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=48)
 namespaces = st.builds(Namespace, st.text(max_size=8), st.text(max_size=8), st.text(max_size=8))
 
@@ -282,7 +283,7 @@ namespaces = st.builds(Namespace, st.text(max_size=8), st.text(max_size=8), st.t
 def stored_events(draw):
     pages = draw(st.integers(1, 4))
     page_tokens = draw(st.integers(1, 4))
-    ids = tuple(draw(st.lists(counts, min_size=pages, max_size=pages)))
+    ids = tuple(draw(st.lists(page_ids, min_size=pages, max_size=pages)))
     generations = tuple(draw(st.lists(counts, min_size=pages, max_size=pages)))
     tokens = draw(
         st.lists(
@@ -291,14 +292,16 @@ def stored_events(draw):
             max_size=pages * page_tokens,
         )
     )
-    return PagesStored(draw(namespaces), draw(st.none() | counts), ids, generations, tuple(tokens))
+    return PagesStored(
+        draw(namespaces), draw(st.none() | page_ids), ids, generations, tuple(tokens)
+    )
 
 
 events = st.one_of(
     stored_events(),
     st.builds(
         PagesRemoved,
-        st.lists(counts, min_size=1, max_size=4).map(tuple),
+        st.lists(page_ids, min_size=1, max_size=4).map(tuple),
         st.sampled_from(REMOVAL_REASONS),
     ),
     st.just(AllCleared()),
@@ -315,7 +318,6 @@ stats_values = st.one_of(
     st.lists(scalars, max_size=3),
     st.dictionaries(st.text(max_size=6), scalars | st.lists(scalars, max_size=2), max_size=3),
 )
-page_ids = st.integers(0, 2**31 - 1)
 
 
 @st.composite
@@ -545,6 +547,7 @@ BAD_EVENTS = [
     ["r", [], "evicted"],
     ["r", [-1], "evicted"],
     ["r", [True], "evicted"],
+    ["r", [2**31], "evicted"],  # page ids are int32
     ["r", "ab", "evicted"],
     GOOD_STORED[:5],
     [*GOOD_STORED, 0],
@@ -552,6 +555,8 @@ BAD_EVENTS = [
     ["s", ["m", "", 1], *GOOD_STORED[2:]],
     ["s", ["m", "", ""], -1, *GOOD_STORED[3:]],
     ["s", ["m", "", ""], True, *GOOD_STORED[3:]],
+    ["s", ["m", "", ""], 2**31, *GOOD_STORED[3:]],
+    ["s", ["m", "", ""], None, [1, 2**31], *GOOD_STORED[4:]],
     ["s", ["m", "", ""], None, [], [], b""],
     ["s", ["m", "", ""], None, [1, 2], [0], GOOD_STORED[5]],
     ["s", ["m", "", ""], None, [1, 2], [0, -1], GOOD_STORED[5]],
