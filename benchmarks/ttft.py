@@ -26,7 +26,7 @@ from cluster.config import config_from_dict
 
 PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 64
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -49,7 +49,7 @@ def run(log=sys.stderr) -> dict[str, float]:
     mesh = cluster.connect(cfg, address=sim.address, log=log)
     try:
         rng = random.Random(0)
-        cold, local, remote, suffix_only = [], [], [], []
+        cold, local, remote, suffix_only, copy = [], [], [], [], []
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1}/{ROUNDS}...", file=log)
             tenant = f"bench-{round_}"
@@ -65,6 +65,7 @@ def run(log=sys.stderr) -> dict[str, float]:
             local.append(hit.stats["ttft_s"])
             remote.append(copied.stats["ttft_s"])
             suffix_only.append(hit.stats["prefill_forward_s"])
+            copy.append(copied.stats["copy_s"])
         mesh.check_integrity()
     finally:
         mesh.shutdown()
@@ -80,6 +81,7 @@ def run(log=sys.stderr) -> dict[str, float]:
         "ttft_local_s": round(local_s, 4),
         "ttft_remote_s": round(remote_s, 4),
         "suffix_only_s": round(suffix_s, 4),
+        "remote_copy_s": round(statistics.median(copy), 4),
         "local_vs_suffix_only": round(local_s / suffix_s, 3),
         "remote_vs_local": round(remote_s / local_s, 3),
         "speedup_local": round(cold_s / local_s, 2),
