@@ -91,9 +91,10 @@ def connect(
     try:
         return Mesh._start(cfg, started_ray, log)
     except BaseException:
-        stop_service()
-        if started_ray:
-            ray.shutdown()
+        if ray.is_initialized():
+            stop_service()
+            if started_ray:
+                ray.shutdown()
         raise
 
 
