@@ -11,6 +11,7 @@ the call raises `ServiceUnavailable`, which callers treat as a cache miss.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ import zmq
 from cache_service import protocol
 from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.protocol import Message, ProtocolError
+
+log = logging.getLogger(__name__)
 
 
 class ServiceUnavailable(RuntimeError):
@@ -215,7 +218,8 @@ class ServiceClient:
     def _connect(self) -> zmq.Socket | None:
         try:
             endpoint = self._resolve()
-        except Exception:  # the resolver (e.g. a Ray call) failed: the service is not up
+        except Exception as exc:  # the resolver (e.g. a Ray call) failed: the service is not up
+            log.debug("service endpoint not resolved: %s", exc)
             return None
         socket = self._context.socket(zmq.DEALER)
         socket.linger = 0
