@@ -33,7 +33,7 @@ from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, ti
 from workers.page_store import PageStoreError, SharedPageStore
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
-from workers.transfer import PageClient, PageServer, copy_from_peer
+from workers.transfer import PageClient, PageServer, RawZmqPipe, copy_from_peer
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,8 @@ class Worker:
         raise ValueError(f"unknown model {name!r}; known: smollm2-135m, tiny")
 
     def _measure_costs(self) -> CostModel:
-        """Prefill tokens/s of this model here, and page copy bytes/s (one page, twice)."""
+        """Prefill tokens/s of this model here, page memcpy bytes/s, and loopback ZMQ
+        bytes/s for page-sized frames."""
         probe = list(range(1, 33))
         start = time.perf_counter()
         self.runner.full_prefill_logits(probe)
@@ -346,9 +347,16 @@ class Worker:
         for _ in range(4):
             scratch.copy_(page)
         shm_bps = 4 * self.store.layout.page_bytes / (time.perf_counter() - start)
-        # Loopback/network transfers measured ~5x slower than memcpy here; a page server
-        # round trip is charged at that rate.
-        return CostModel(prefill_tps, shm_bps, shm_bps / 5)
+        # A bare ZMQ transfer of a few pages over loopback TCP: what a page-server fetch
+        # costs at best (the page server reaches about that rate).
+        pipe = RawZmqPipe(8 * self.store.layout.page_bytes, self.store.layout.page_bytes)
+        try:
+            start = time.perf_counter()
+            pipe.transfer()
+            remote_bps = 8 * self.store.layout.page_bytes / (time.perf_counter() - start)
+        finally:
+            pipe.close()
+        return CostModel(prefill_tps, shm_bps, remote_bps)
 
 
 def _tag(worker_id: str) -> str:
