@@ -32,7 +32,9 @@ import zmq
 from cache_service import protocol
 from cache_service.events import Namespace, PagesStored
 from cache_service.index import GlobalIndex
+from cache_service.messages import Match
 from cache_service.server import ServerConfig, ServiceServer
+from cache_service.tokens import pack_tokens
 
 PAGE_TOKENS = 16
 PROMPT_TOKENS = 2048
@@ -89,12 +91,8 @@ def _stored(parent: int | None, ids: tuple[int, ...], tokens: np.ndarray) -> Pag
 def request_frames(prompts: np.ndarray) -> list[bytes]:
     frames = []
     for i in range(QUERIES):
-        body = {
-            "namespace": NAMESPACE,
-            "tokens": protocol.pack_tokens(prompts[(i * 37) % len(prompts)]),
-            "requester": f"w{i % WORKERS}",
-        }
-        frames.append(protocol.encode(protocol.Message(protocol.MATCH, i + 1, body)))
+        body = Match(NAMESPACE, pack_tokens(prompts[(i * 37) % len(prompts)]), f"w{i % WORKERS}")
+        frames.append(protocol.encode(protocol.request(i + 1, body)))
     return frames
 
 
@@ -108,7 +106,7 @@ def _service_process(conn) -> None:
     before = _rss_bytes()
     index = build_index(prompts)
     grown = _rss_bytes() - before
-    packed = [protocol.pack_tokens(p) for p in prompts[:QUERIES]]
+    packed = [pack_tokens(p) for p in prompts[:QUERIES]]
     start = time.perf_counter()
     rounds = 0
     while time.perf_counter() - start < 1.0:
@@ -121,7 +119,7 @@ def _service_process(conn) -> None:
     server = ServiceServer(index, ServerConfig(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600))
     address = server.start()
     # The echo's canned answer: what the service answers for a full hit, re-encoded plainly.
-    canned = msgpack.unpackb(server.handle([request_frames(prompts)[0]]), raw=False)
+    canned = msgpack.unpackb(_ask(address, request_frames(prompts)[0]), raw=False)
     conn.send(
         {
             "address": address,
@@ -136,6 +134,20 @@ def _service_process(conn) -> None:
     server.stop()
     index.check_integrity()
     conn.send("stopped")
+
+
+def _ask(address: str, frame: bytes) -> bytes:
+    """One request's reply, over a socket of its own."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect(address)
+    try:
+        socket.send(frame)
+        return socket.recv()
+    finally:
+        socket.close(linger=0)
+        context.term()
 
 
 def _echo_process(conn, canned: dict[str, Any]) -> None:

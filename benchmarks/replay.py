@@ -77,6 +77,7 @@ import numpy as np
 
 from cache_service.events import Namespace
 from cache_service.index import GlobalIndex
+from cache_service.tokens import pack_tokens
 from workers.page_pool import PagePool
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 
@@ -446,7 +447,7 @@ def _run(
     started = time.perf_counter()
     for i, request in enumerate(requests):
         tokens = request_tokens(request)
-        packed = tokens.astype("<i4", copy=False).tobytes()
+        packed = pack_tokens(tokens)
         worker_id = routing.choose(cluster, i, packed)
         served = cluster.serve(worker_id, tokens, packed, routing.copy_remote)
         totals.input += request.input_length

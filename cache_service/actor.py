@@ -42,11 +42,13 @@ class ServiceActor:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The index's statistics (the same figures the `stats` request returns)."""
-        return self.server.index.stats()
+        """The index's statistics (the same figures the `stats` request returns), read by
+        the server's loop thread, which owns the index."""
+        return self.server.stats()
 
     def check_integrity(self) -> None:
-        self.server.index.check_integrity()
+        """Check the index's invariants, on the server's loop thread."""
+        self.server.check_integrity()
 
     def stop(self) -> None:
         self.server.stop()

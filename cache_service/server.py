@@ -1,10 +1,17 @@
 """The service's ZMQ front: a ROUTER loop that answers workers from the global index.
 
-One thread owns the socket and the index (the index is not thread-safe and needs no
-lock this way). The loop polls with a timeout so housekeeping (expiring silent workers)
-runs even when no request arrives. Every frame goes through the one codec
-(`protocol.decode`); anything malformed is answered with an error reply naming what was
-wrong, and the loop keeps serving.
+One thread, the loop, owns the socket and the index (the index refuses calls from any
+other thread while the loop runs, and needs no lock this way). The loop polls with a
+timeout so housekeeping (expiring silent workers) runs even when no request arrives.
+Every frame goes through the one codec (`protocol.decode`) into a typed request; its
+handler passes the fields to the index and returns the typed reply the codec encodes.
+Anything malformed is answered with an error reply naming what was wrong, and the loop
+keeps serving.
+
+Callers in other threads (the Ray actor, tests, later the metrics exporter) reach the
+index through the loop: `stats()`, `check_integrity()` and `run_housekeeping()` queue a
+call that the loop runs between requests (woken at once through an inproc socket), and
+wait for its result. Before `start` and after `stop` they run in the caller's thread.
 
 Envelope on the socket: a client DEALER sends one frame, the payload; the ROUTER sees
 [identity, payload] and replies [identity, reply]. A REQ client's empty delimiter frame
@@ -13,32 +20,59 @@ is accepted and echoed, so both kinds of client work.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from cache_service import protocol
+from cache_service.addresses import check_bind_host
 from cache_service.index import GlobalIndex
+from cache_service.messages import (
+    ApplyResult,
+    Bye,
+    ByeReply,
+    EpochReply,
+    GetStats,
+    Heartbeat,
+    Match,
+    MatchResult,
+    PublishEvents,
+    Register,
+    Reply,
+    Resync,
+    ResyncReply,
+    Route,
+    RouteDecision,
+    StatsReply,
+)
 from cache_service.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Server-side error codes, beside the codec's own.
 UNKNOWN_WORKER = "unknown_worker"  # heartbeat from a worker the index does not know: register
 REJECTED = "rejected"  # well-formed but refused by the index (e.g. an older epoch)
+
+# Requests answered per wakeup before the loop looks at its clock and control queue again.
+_DRAIN = 256
+_servers = itertools.count()
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Where the service listens and how it keeps time."""
 
-    # An address of this node, or loopback. Never "*" / 0.0.0.0: the index is an
-    # unauthenticated metadata service unless CurveZMQ is on.
+    # An address of this node, or loopback. Never a wildcard: see cache_service.addresses.
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port; the bound address is reported by `address`
     liveness_timeout_s: float = 10.0
@@ -48,11 +82,7 @@ class ServerConfig:
     load_weight: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.host in ("*", "0.0.0.0", "::", ""):
-            raise ValueError(
-                f"host {self.host!r} would listen on every interface; give this node's "
-                "address or 127.0.0.1"
-            )
+        check_bind_host(self.host)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.liveness_timeout_s <= 0 or self.housekeeping_interval_s <= 0:
@@ -86,8 +116,15 @@ class ServiceServer:
     Usage:
         server = ServiceServer(GlobalIndex(...), ServerConfig(...))
         address = server.start()   # "tcp://127.0.0.1:PORT"
-        ...
+        server.stats()             # through the loop
         server.stop()
+
+    Args:
+        index: the index to serve; the loop thread owns it while the server runs.
+        config: where to listen, liveness and housekeeping.
+        curve: CurveZMQ keys; None serves in plain text.
+        limits: bounds on every frame.
+        clock: seconds, monotonic; liveness is judged by it (tests inject their own).
     """
 
     def __init__(
@@ -113,15 +150,23 @@ class ServiceServer:
         self._address = ""
         self.requests = 0
         self.errors = 0
-        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-            protocol.REGISTER: self._register,
-            protocol.HEARTBEAT: self._heartbeat,
-            protocol.EVENTS: self._events,
-            protocol.RESYNC: self._resync,
-            protocol.MATCH: self._match,
-            protocol.ROUTE: self._route,
-            protocol.STATS: self._stats,
-            protocol.BYE: self._bye,
+        # Calls from other threads, run by the loop; `_running` and the queue change
+        # together under `_calls_lock`, so no call is queued after the loop stopped.
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()
+        self._running = False
+        self._wake_address = f"inproc://kvmesh-service-control-{next(_servers)}"
+        self._wake: zmq.Socket | None = None
+        self._wake_lock = threading.Lock()
+        self._handlers: dict[type, Callable[[Any], Reply]] = {
+            Register: self._register,
+            Heartbeat: self._heartbeat,
+            PublishEvents: self._events,
+            Resync: self._resync,
+            Match: self._match,
+            Route: self._route,
+            GetStats: self._stats,
+            Bye: self._bye,
         }
 
     @property
@@ -148,60 +193,123 @@ class ServiceServer:
             port = socket.bind_to_random_port(f"tcp://{host}")
         self._socket = socket
         self._address = f"tcp://{host}:{port}"
-        self._thread = threading.Thread(target=self._loop, name="kvmesh-service", daemon=True)
+        control = self._context.socket(zmq.PAIR)
+        control.linger = 0
+        control.bind(self._wake_address)
+        self._wake = self._context.socket(zmq.PAIR)
+        self._wake.linger = 0
+        self._wake.connect(self._wake_address)
+        self.index.hand_off()  # the loop thread takes it on its first call
+        self._running = True
+        self._thread = threading.Thread(
+            target=self._loop, args=(control,), name="kvmesh-service", daemon=True
+        )
         self._thread.start()
         log.info("kvmesh service epoch %d listening on %s", self.epoch, self._address)
         return self._address
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop and close the socket (idempotent)."""
+        """Stop the loop and close the sockets (idempotent); the index is then free for the
+        caller's thread."""
         self._stop.set()
         if self._thread is not None:
+            self._poke()
             self._thread.join(timeout_s)
             self._thread = None
+        with self._wake_lock:
+            if self._wake is not None:
+                self._wake.close(linger=0)
+                self._wake = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
 
-    def _start_curve(self, socket: zmq.Socket) -> None:
-        if self.curve.allowed_clients is not None:
-            from zmq.auth.thread import ThreadAuthenticator
+    # ------------------------------------------------------------------ calls into the loop
 
-            self._auth = ThreadAuthenticator(self._context)
-            self._auth.start()
-            self._auth.configure_curve_callback(
-                domain="*", credentials_provider=_AllowList(self.curve.allowed_clients)
-            )
-        socket.curve_secretkey = self.curve.secret
-        socket.curve_publickey = self.curve.public
-        socket.curve_server = True
+    def stats(self) -> dict[str, Any]:
+        """The index's statistics and the server's own figures (what STATS answers)."""
+        return self._in_loop(self._stats_snapshot)
+
+    def check_integrity(self) -> None:
+        """Check the index's invariants (raises AssertionError), from the loop."""
+        self._in_loop(self.index.check_integrity)
+
+    def run_housekeeping(self) -> list[str]:
+        """Expire silent workers now, by the server's clock; the expired worker ids."""
+        return self._in_loop(lambda: self._housekeeping(self._clock()))
+
+    def _in_loop(self, call: Callable[[], T], timeout_s: float = 30.0) -> T:
+        """Run `call` on the loop thread and return its result (or raise what it raised);
+        in the caller's thread when the loop is not running."""
+        if threading.current_thread() is self._thread:
+            return call()
+        future: Future = Future()
+        with self._calls_lock:
+            queued = self._running
+            if queued:
+                self._calls.put((call, future))
+        if not queued:
+            return call()
+        self._poke()
+        return future.result(timeout_s)
+
+    def _poke(self) -> None:
+        """Wake the loop up (a byte on its control socket)."""
+        with self._wake_lock:
+            if self._wake is not None:
+                with contextlib.suppress(zmq.Again):  # wake-ups are queued already
+                    self._wake.send(b"", zmq.NOBLOCK)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                call, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the caller, whatever it is
+                future.set_exception(exc)
 
     # ------------------------------------------------------------------ the loop
 
-    def _loop(self) -> None:
+    def _loop(self, control: zmq.Socket) -> None:
         socket = self._socket
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        poller.register(control, zmq.POLLIN)
         interval_ms = int(self.config.housekeeping_interval_s * 1000)
         next_housekeeping = self._clock()
         try:
             while not self._stop.is_set():
-                if poller.poll(interval_ms):
+                ready = dict(poller.poll(interval_ms))
+                if socket in ready:
                     # Drain what is queued before looking at the clock again.
-                    for _ in range(256):
+                    for _ in range(_DRAIN):
                         try:
                             frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
                         except zmq.Again:
                             break
                         self._serve(socket, frames)
+                if control in ready:
+                    while control.poll(0):
+                        control.recv()
+                    self._run_calls()
                 now = self._clock()
                 if now >= next_housekeeping:
                     self._housekeeping(now)
                     next_housekeeping = now + self.config.housekeeping_interval_s
         finally:
             socket.close(linger=0)
+            control.close(linger=0)
+            with self._calls_lock:  # callers wait here, then run their calls themselves
+                self._running = False
+                self._run_calls()  # what was queued before the loop stopped still runs
+                self.index.hand_off()
 
-    def _housekeeping(self, now: float) -> None:
+    def _housekeeping(self, now: float) -> list[str]:
         expired = self.index.expire(now)
         if expired:
             log.warning(
@@ -209,18 +317,19 @@ class ServiceServer:
                 self.config.liveness_timeout_s,
                 ", ".join(expired),
             )
+        return expired
 
     def _serve(self, socket: zmq.Socket, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
         delimiter = [b""] if rest and rest[0] == b"" else []
         payload = rest[len(delimiter) :]
-        reply = self.handle(payload)
+        reply = self._handle(payload)
         try:
             socket.send_multipart([identity, *delimiter, reply], zmq.NOBLOCK)
         except zmq.Again:  # the client is gone or not reading; it will retry
             log.debug("reply to a client that is not reading dropped")
 
-    def handle(self, payload: list[bytes]) -> bytes:
+    def _handle(self, payload: list[bytes]) -> bytes:
         """One request's payload frames -> the encoded reply (never raises)."""
         self.requests += 1
         request_id = 0
@@ -231,8 +340,7 @@ class ServiceServer:
                 )
             request = protocol.decode(payload[0], "request", limits=self.limits)
             request_id = request.request_id
-            body = self._handlers[request.type](request.body)
-            reply = protocol.ok_reply(request, body)
+            reply = protocol.ok_reply(request, self._handlers[type(request.body)](request.body))
             return protocol.encode(reply, limits=self.limits, check=False)
         except ProtocolError as exc:
             self.errors += 1
@@ -249,51 +357,42 @@ class ServiceServer:
 
     # ------------------------------------------------------------------ handlers
 
-    def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _register(self, request: Register) -> EpochReply:
         self.index.register(
-            body["worker_id"], body["epoch"], body["node_id"], body["tier"], now=self._clock()
+            request.worker_id, request.epoch, request.node_id, request.tier, now=self._clock()
         )
-        return {"service_epoch": self.epoch}
+        return EpochReply(self.epoch)
 
-    def _heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        if not self.index.heartbeat(body["worker_id"], body["epoch"], now=self._clock()):
+    def _heartbeat(self, request: Heartbeat) -> EpochReply:
+        if not self.index.heartbeat(request.worker_id, request.epoch, now=self._clock()):
             raise ProtocolError(
                 UNKNOWN_WORKER,
-                f"worker {body['worker_id']!r} epoch {body['epoch']} is not registered "
+                f"worker {request.worker_id!r} epoch {request.epoch} is not registered "
                 f"with service epoch {self.epoch}; register again",
             )
-        return {"service_epoch": self.epoch}
+        return EpochReply(self.epoch)
 
-    def _events(self, body: dict[str, Any]) -> dict[str, Any]:
-        result = self.index.apply_events(
-            body["worker_id"], body["epoch"], body["seq"], body["events"]
+    def _events(self, request: PublishEvents) -> ApplyResult:
+        return self.index.apply_events(
+            request.worker_id, request.epoch, request.seq, request.events
         )
-        return {
-            "applied": result.applied,
-            "needs_resync": result.needs_resync,
-            "reason": result.reason,
-        }
 
-    def _resync(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.index.resync(body["worker_id"], body["epoch"], body["seq"], body["chains"])
-        info = self.index.worker_info(body["worker_id"])
-        return {"pages": 0 if info is None else info.pages}
+    def _resync(self, request: Resync) -> ResyncReply:
+        self.index.resync(request.worker_id, request.epoch, request.seq, request.chains)
+        info = self.index.worker_info(request.worker_id)
+        return ResyncReply(0 if info is None else info.pages)
 
-    def _match(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _match(self, request: Match) -> MatchResult:
         # Packed spans go out as the bytes the index made; no ints built and repacked.
-        result = self.index.match_packed(body["namespace"], body["tokens"], body["requester"])
-        return {"matched_tokens": result.matched_tokens, "spans": list(result.spans)}
+        return self.index.match_packed(request.namespace, request.tokens, request.requester)
 
-    def _route(self, body: dict[str, Any]) -> dict[str, Any]:
-        decision = self.index.route(body["namespace"], body["tokens"], body["loads"])
-        return {
-            "worker_id": decision.worker_id,
-            "matched_tokens": decision.matched_tokens,
-            "score": decision.score,
-            "reason": decision.reason,
-        }
+    def _route(self, request: Route) -> RouteDecision:
+        return self.index.route(request.namespace, request.tokens, request.loads)
 
-    def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _stats(self, request: GetStats) -> StatsReply:
+        return StatsReply(self._stats_snapshot())
+
+    def _stats_snapshot(self) -> dict[str, Any]:
         stats = self.index.stats()
         stats["service"] = {
             "epoch": self.epoch,
@@ -301,11 +400,24 @@ class ServiceServer:
             "errors": self.errors,
             "address": self._address,
         }
-        return {"stats": stats}
+        return stats
 
-    def _bye(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.index.remove_worker(body["worker_id"], "bye")
-        return {}
+    def _bye(self, request: Bye) -> ByeReply:
+        self.index.remove_worker(request.worker_id, "bye")
+        return ByeReply()
+
+    def _start_curve(self, socket: zmq.Socket) -> None:
+        if self.curve.allowed_clients is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve_callback(
+                domain="*", credentials_provider=_AllowList(self.curve.allowed_clients)
+            )
+        socket.curve_secretkey = self.curve.secret
+        socket.curve_publickey = self.curve.public
+        socket.curve_server = True
 
 
 class _AllowList:
@@ -318,11 +430,15 @@ class _AllowList:
         return key in self.keys
 
 
-def make_server(config: ServerConfig, curve: CurveKeys | None = None) -> ServiceServer:
+def make_server(
+    config: ServerConfig,
+    curve: CurveKeys | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ServiceServer:
     """A server over a fresh index configured from `config`."""
     index = GlobalIndex(
         page_tokens=config.page_tokens,
         liveness_timeout_s=config.liveness_timeout_s,
         load_weight=config.load_weight,
     )
-    return ServiceServer(index, config, curve)
+    return ServiceServer(index, config, curve, clock=clock)

@@ -16,12 +16,20 @@ from typing import Any
 
 import yaml
 
+from cache_service.addresses import check_bind_host
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
 
 
 class ConfigError(ValueError):
     """A configuration file or mapping that cannot be used; the message names the key."""
+
+
+def _check_host(host: str, key: str) -> None:
+    try:
+        check_bind_host(host, key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class WorkersConfig:
     publish_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
+        _check_host(self.host, "workers.host")
         if self.count <= 0:
             raise ConfigError(f"workers.count must be positive, got {self.count}")
         if self.threads <= 0:
@@ -90,15 +99,14 @@ class ServiceConfig:
 
     # "loopback" (127.0.0.1: one machine, an embedded Ray or a simulated cluster),
     # "node" (this node's address as Ray knows it: a real multi-node cluster), or an
-    # address of this node. Never "*": see ServerConfig.
+    # address of this node. Never a wildcard: see cache_service.addresses.
     host: str = "loopback"
     port: int = 0
     liveness_timeout_s: float = 10.0
     load_weight: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.host in ("*", "0.0.0.0", "::", ""):
-            raise ConfigError(f"service.host {self.host!r} would listen on every interface")
+        _check_host(self.host, "service.host")
         if self.liveness_timeout_s <= 0:
             raise ConfigError("service.liveness_timeout_s must be positive")
 

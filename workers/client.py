@@ -21,7 +21,23 @@ import zmq
 
 from cache_service import protocol
 from cache_service.events import KvEvent, Namespace, PagesStored
+from cache_service.messages import (
+    ApplyResult,
+    Bye,
+    GetStats,
+    Heartbeat,
+    Match,
+    MatchResult,
+    PublishEvents,
+    Register,
+    Reply,
+    Request,
+    Resync,
+    Route,
+    RouteDecision,
+)
 from cache_service.protocol import Message, ProtocolError
+from cache_service.tokens import TokenInput
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +64,6 @@ class ServiceEndpoint(NamedTuple):
 
     address: str
     server_key: bytes | None = None
-
-
-class ApplyReply(NamedTuple):
-    applied: bool
-    needs_resync: bool
-    reason: str
-
-
-class RouteReply(NamedTuple):
-    worker_id: str | None
-    matched_tokens: int
-    score: float
-    reason: str
 
 
 class ServiceClient:
@@ -104,14 +107,7 @@ class ServiceClient:
         self, worker_id: str, epoch: int, node_id: str, tier: str = "cpu", address: str = ""
     ) -> int:
         """Register this worker incarnation; returns the service's epoch."""
-        body = {
-            "worker_id": worker_id,
-            "epoch": epoch,
-            "node_id": node_id,
-            "tier": tier,
-            "address": address,
-        }
-        return self.call(protocol.REGISTER, body)["service_epoch"]
+        return self.call(Register(worker_id, epoch, node_id, tier, address)).service_epoch
 
     def heartbeat(self, worker_id: str, epoch: int, load: float = 0.0) -> int:
         """Mark this worker alive; returns the service's epoch.
@@ -120,60 +116,47 @@ class ServiceClient:
             ServiceError: code "unknown_worker" when the service does not know this
                 incarnation (it restarted or expired us): register and resync.
         """
-        body = {"worker_id": worker_id, "epoch": epoch, "load": float(load)}
-        return self.call(protocol.HEARTBEAT, body)["service_epoch"]
+        return self.call(Heartbeat(worker_id, epoch, float(load))).service_epoch
 
     def publish_events(
         self, worker_id: str, epoch: int, seq: int, events: Sequence[KvEvent]
-    ) -> ApplyReply:
+    ) -> ApplyResult:
         """Send one numbered batch of KV events."""
-        body = {"worker_id": worker_id, "epoch": epoch, "seq": seq, "events": list(events)}
-        reply = self.call(protocol.EVENTS, body)
-        return ApplyReply(reply["applied"], reply["needs_resync"], reply["reason"])
+        return self.call(PublishEvents(worker_id, epoch, seq, list(events)))
 
     def resync(self, worker_id: str, epoch: int, seq: int, chains: Sequence[PagesStored]) -> int:
         """Replace everything the service knows of this worker; returns pages indexed."""
-        body = {"worker_id": worker_id, "epoch": epoch, "seq": seq, "chains": list(chains)}
-        return self.call(protocol.RESYNC, body)["pages"]
+        return self.call(Resync(worker_id, epoch, seq, list(chains))).pages
 
-    def match(self, namespace: Namespace, tokens: Any, requester: str | None = None):
+    def match(
+        self, namespace: Namespace, tokens: TokenInput, requester: str | None = None
+    ) -> MatchResult:
         """The longest cached prefix of `tokens` anywhere, with its holders.
 
         Returns:
-            (matched_tokens, spans): spans are HolderSpans, one per holding worker.
+            MatchResult(matched_tokens, spans): HolderSpans, one per holding worker.
         """
-        body = {
-            "namespace": namespace,
-            "tokens": protocol.pack_tokens(tokens) if not isinstance(tokens, bytes) else tokens,
-            "requester": requester,
-        }
-        reply = self.call(protocol.MATCH, body)
-        return reply["matched_tokens"], reply["spans"]
+        return self.call(Match(namespace, tokens, requester))
 
-    def route(self, namespace: Namespace, tokens: Any, loads: Mapping[str, float]) -> RouteReply:
+    def route(
+        self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
+    ) -> RouteDecision:
         """Which worker should take this prompt (most of it cached, weighed against load)."""
-        body = {
-            "namespace": namespace,
-            "tokens": protocol.pack_tokens(tokens) if not isinstance(tokens, bytes) else tokens,
-            "loads": {k: float(v) for k, v in loads.items()},
-        }
-        reply = self.call(protocol.ROUTE, body)
-        return RouteReply(
-            reply["worker_id"], reply["matched_tokens"], reply["score"], reply["reason"]
-        )
+        loads = {worker: float(load) for worker, load in loads.items()}
+        return self.call(Route(namespace, tokens, loads))
 
     def stats(self) -> dict[str, Any]:
         """Cluster, per-worker and per-tenant statistics of the service."""
-        return self.call(protocol.STATS, {})["stats"]
+        return self.call(GetStats()).stats
 
     def bye(self, worker_id: str, epoch: int) -> None:
         """Leave: the service drops this worker's holdings at once."""
-        self.call(protocol.BYE, {"worker_id": worker_id, "epoch": epoch})
+        self.call(Bye(worker_id, epoch))
 
     # ------------------------------------------------------------------ transport
 
-    def call(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Send one request and return the body of its ok reply.
+    def call(self, body: Request) -> Reply:
+        """Send one request and return its ok reply's typed body.
 
         Raises:
             ServiceUnavailable: no reply after all tries.
@@ -188,15 +171,16 @@ class ServiceClient:
                     time.sleep(min(self.timeout_s, 0.2))  # no address yet: the service is starting
                     continue
                 request_id = next(self._ids)
-                frame = protocol.encode(Message(kind, request_id, body), limits=self.limits)
+                frame = protocol.encode(protocol.request(request_id, body), limits=self.limits)
                 socket.send(frame)
                 reply = self._await(socket, request_id)
                 if reply is not None:
                     if reply.type == protocol.ERROR:
-                        raise ServiceError(reply.body["code"], reply.body["message"])
+                        raise ServiceError(reply.body.code, reply.body.message)
                     return reply.body
                 self._reset()  # Lazy Pirate: a fresh socket, nothing stale left queued
             where = self._endpoint.address if self._endpoint else "the service"
+            kind = protocol.KIND_OF.get(type(body), type(body).__name__)
             raise ServiceUnavailable(
                 f"no reply from {where} to {kind!r} after {tries} tries of {self.timeout_s}s"
             )

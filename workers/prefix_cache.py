@@ -36,12 +36,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cache_service.events import AllCleared, KvEvent, Namespace, PagesRemoved, PagesStored
+from cache_service.tokens import TOKEN_BYTES as _TOKEN_BYTES
+from cache_service.tokens import pack_tokens, token_tuple
 from workers.eviction import EVICTION_POLICIES, make_eviction_policy
 from workers.page_pool import PageAllocator
 
@@ -262,7 +263,7 @@ class Allocation:
         with self._cache._lock:
             self._check_live()
             new_tokens = _as_token_list(new_tokens)
-            packed = _pack(new_tokens)
+            packed = pack_tokens(new_tokens)
             needed = _pages_for(len(self.tokens) + len(new_tokens), self._cache.page_tokens)
             grow = needed - len(self.pages)
             if grow > 0:
@@ -373,7 +374,7 @@ class PrefixCache:
 
     def match_length(self, tokens: Sequence[int], namespace: Namespace) -> int:
         """Tokens of `tokens` in full published pages, without referencing anything."""
-        packed = _pack(_as_token_list(tokens))
+        packed = pack_tokens(_as_token_list(tokens))
         step = self.page_tokens * _TOKEN_BYTES
         with self._lock:
             node = self._roots.get(namespace)
@@ -466,7 +467,7 @@ class PrefixCache:
     ) -> BatchEntry | None:
         p = self.page_tokens
         n = len(tokens)
-        packed = _pack(tokens)
+        packed = pack_tokens(tokens)
         path, cow_source, reuse = self._match(packed, namespace, owners)
         full_ref = len(path)
         new_pages = _pages_for(n + extra_slots, p) - full_ref
@@ -753,7 +754,7 @@ class PrefixCache:
             parent_page=parent_page,
             page_ids=pages,
             generations=tuple(self._allocator.generation(page) for page in pages),
-            tokens=tuple(array("i", b"".join(node.key for node in run))),
+            tokens=token_tuple(b"".join(node.key for node in run)),
         )
 
     # ------------------------------------------------------------------ integrity
@@ -846,16 +847,7 @@ def _pages_for(n_tokens: int, page_tokens: int) -> int:
     return -(-n_tokens // page_tokens)
 
 
-_TOKEN_BYTES = 4  # token ids are packed as int32, the wire format of the service
-assert array("i").itemsize == _TOKEN_BYTES, "array('i') is not 32-bit here"
 _SCAN_LIMIT = 16  # children scanned one by one for a partial match before indexing them
-
-
-def _pack(tokens: list[int]) -> bytes:
-    try:
-        return array("i", tokens).tobytes()
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be int32 integers: {exc}") from None
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import zmq
 
+from cache_service.addresses import check_bind_host
 from workers.page_store import SharedPageStore
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,7 @@ class PageServer:
     """
 
     def __init__(self, store: SharedPageStore, host: str = "127.0.0.1", port: int = 0):
-        if host in ("*", "0.0.0.0", "::", ""):
-            raise ValueError(f"host {host!r} would listen on every interface")
+        check_bind_host(host, "page server host")
         self.store = store
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)

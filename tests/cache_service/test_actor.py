@@ -26,18 +26,11 @@ NS = Namespace("m")
 P = 4
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace=RAY_NAMESPACE,
-        log_to_driver=False,
-    )
-    yield
+@pytest.fixture
+def service(ray_local):
+    """The service actor, killed for good after the test."""
+    yield start_service(ServerConfig(host="loopback", page_tokens=P))
     stop_service()
-    ray.shutdown()
 
 
 def _publish(cache: PrefixCache, tokens: list[int]) -> None:
@@ -46,9 +39,8 @@ def _publish(cache: PrefixCache, tokens: list[int]) -> None:
     allocation.release()
 
 
-def test_killed_service_restarts_and_workers_resync(ray_cluster):
-    handle = start_service(ServerConfig(host="loopback", page_tokens=P))
-    first = ray.get(handle.endpoint.remote())
+def test_killed_service_restarts_and_workers_resync(service):
+    first = ray.get(service.endpoint.remote())
     assert first["address"].startswith("tcp://127.0.0.1:")
     assert ray.get_actor(SERVICE_NAME, namespace=RAY_NAMESPACE) is not None
 
@@ -59,7 +51,7 @@ def test_killed_service_restarts_and_workers_resync(ray_cluster):
     assert publisher.sync()
     assert client.match(NS, list(range(13)))[0] == 12
 
-    ray.kill(handle, no_restart=False)  # the service dies; Ray restarts it
+    ray.kill(service, no_restart=False)  # the service dies; Ray restarts it
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -79,3 +71,5 @@ def test_killed_service_restarts_and_workers_resync(ray_cluster):
     assert publisher.resyncs == 2
     ray.get(get_service().check_integrity.remote())
     cache.check_integrity()
+    publisher.stop(bye=True)
+    client.close()

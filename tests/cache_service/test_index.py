@@ -1,8 +1,10 @@
-"""The global prefix index: events, liveness, matching, statistics, routing, memory."""
+"""The global prefix index: events, liveness, matching, statistics, routing, integrity,
+and the thread that owns it."""
 
 from __future__ import annotations
 
 import struct
+import threading
 from unittest import mock
 
 import numpy as np
@@ -10,21 +12,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service import index as index_module
 from cache_service.events import AllCleared, Namespace, PagesRemoved, PagesStored
 from cache_service.index import (
     ApplyResult,
     GlobalIndex,
     HolderSpan,
     MatchResult,
-    PackedMatch,
+    OwnerError,
     PackedSpan,
     Registration,
     RouteDecision,
     WorkerInfo,
-    measure_bytes_per_page,
-    pack_tokens,
 )
+from cache_service.index import keys as keys_module
+from cache_service.index import walk as walk_module
+from cache_service.index.key_table import KeyTable
+from cache_service.tokens import pack_tokens
 
 P = 4  # tokens per page in these tests
 NS = Namespace("smollm2-135m", "", "tenant-a")
@@ -96,7 +99,7 @@ def test_a_packed_match_carries_the_wire_bytes():
     apply_ok(index, "b", 1, stored((3, 4), (1, 2), generations=(2**40, 1)))
     apply_ok(index, "a", 1, stored((10, 11, 12), (1, 2, 3), generations=(5, 6, 7)))
     packed = index.match_packed(NS, make_tokens(1, 2, 3, 4), requester="b")
-    assert packed == PackedMatch(
+    assert packed == MatchResult(
         12,
         (
             PackedSpan("a", "cpu", struct.pack("<3i", 10, 11, 12), struct.pack("<3q", 5, 6, 7)),
@@ -187,7 +190,7 @@ def test_bad_tokens_raise_and_change_nothing():
 
     with pytest.raises(ValueError, match="7 bytes, not a multiple of 4"):
         index.match(NS, b"\x00" * 7)
-    with pytest.raises(ValueError, match=r"int32.*\[0, 2147483648\]"):
+    with pytest.raises(ValueError, match="token id 2147483648 at index 1 is outside int32"):
         index.match(NS, [0, 2**31])
     with pytest.raises(ValueError, match="must be ints"):
         index.match(NS, [1.5])
@@ -604,8 +607,8 @@ def make_fragmented_index() -> GlobalIndex:
 @pytest.mark.parametrize("runs", [4, 1, 0])
 def test_a_path_of_many_runs(runs):
     index = make_fragmented_index()
-    with mock.patch.object(index_module, "_MAX_RUNS", runs):
-        assert index._path(NS, pack_tokens(make_tokens(1, 2, 3))).nodes.tolist() == [1, 3, 5]
+    with mock.patch.object(walk_module, "MAX_RUNS", runs):
+        assert path_of(index, make_tokens(1, 2, 3)).nodes.tolist() == [1, 3, 5]
         assert spans(index.match(NS, make_tokens(1, 2, 3, 4))) == [("a", (0, 1, 2))]
         assert spans(index.match(NS, make_tokens(9, 8, 5))) == [("c", (0, 1))]
         assert index.route(NS, make_tokens(1, 2, 3), {"a": 0.0, "c": 0.0}).matched_tokens == 3 * P
@@ -615,10 +618,16 @@ def test_a_path_of_many_runs(runs):
 def test_a_chain_published_at_once_is_one_run():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((5, 6, 7), (1, 2, 3)))
-    path = index._path(NS, pack_tokens(make_tokens(1, 2, 3, 4)))
+    path = path_of(index, make_tokens(1, 2, 3, 4))
     assert (path.start, path.length, path.nodes) == (1, 3, None)  # node 0 is the root
-    assert index._path(NS, pack_tokens(make_tokens(1, 2, 4))).length == 2
+    assert path_of(index, make_tokens(1, 2, 4)).length == 2
     index.check_integrity()
+
+
+def path_of(index: GlobalIndex, tokens: list[int]) -> walk_module.Path:
+    """The nodes the match walk finds for `tokens` in namespace NS."""
+    nodes = index._nodes
+    return walk_module.walk(nodes, nodes.roots.get(NS), pack_tokens(tokens))
 
 
 def crowded_key(home: int, variant: int) -> int:
@@ -637,7 +646,7 @@ def crowded_key(home: int, variant: int) -> int:
 def test_the_key_table_is_a_multimap(ops):
     """Keys crowded onto a few home slots (the last ones too) and repeated: long probe runs,
     equal keys, backward-shift deletion."""
-    table = index_module._KeyTable()
+    table = KeyTable()
     model: dict[int, list[int]] = {}
     for node, (insert, home, variant) in enumerate(ops):
         key = crowded_key(home, variant)
@@ -652,7 +661,7 @@ def test_the_key_table_is_a_multimap(ops):
 
 
 def test_the_key_table_grows_and_shrinks():
-    table = index_module._KeyTable()
+    table = KeyTable()
     keys = [crowded_key((0, 1, 2, 500, 1021, 1022, 1023)[home % 7], home) for home in range(3000)]
     for node, key in enumerate(keys):
         table.insert(key, node)
@@ -677,13 +686,76 @@ def check_table(table, model: dict[int, list[int]]) -> None:
     assert table.find_run(np.array([absent, *present[:1]], np.int64)).size == 0
 
 
-# ---- integrity and memory ---------------------------------------------------------------
+# ---- the owner thread --------------------------------------------------------------------
+
+
+def in_thread(call):
+    """What `call()` returns or raises when run in a thread of its own."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed back to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="intruder")
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    return outcome
+
+
+CALLS = {
+    "register": lambda index: index.register("b", epoch=1, node_id="node0", now=0.0),
+    "heartbeat": lambda index: index.heartbeat("a", 1, now=1.0),
+    "expire": lambda index: index.expire(now=100.0),
+    "remove_worker": lambda index: index.remove_worker("a", "bye"),
+    "live_workers": lambda index: index.live_workers(),
+    "worker_info": lambda index: index.worker_info("a"),
+    "apply_events": lambda index: index.apply_events("a", 1, 2, [AllCleared()]),
+    "resync": lambda index: index.resync("a", 1, 2, []),
+    "match": lambda index: index.match(NS, make_tokens(1)),
+    "match_packed": lambda index: index.match_packed(NS, make_tokens(1)),
+    "route": lambda index: index.route(NS, make_tokens(1), {"a": 0.0}),
+    "num_pages": lambda index: index.num_pages,
+    "stats": lambda index: index.stats(),
+    "check_integrity": lambda index: index.check_integrity(),
+    "hand_off": lambda index: index.hand_off(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_a_call_from_another_thread_is_refused_and_changes_nothing(name):
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    before = index.stats()
+    outcome = in_thread(lambda: CALLS[name](index))
+    assert isinstance(outcome.get("error"), OwnerError), outcome
+    assert "owned by thread 'MainThread'" in str(outcome["error"])
+    assert "'intruder' may not call it" in str(outcome["error"])
+    assert index.stats() == before
+    assert index.match(NS, make_tokens(1)).matched_tokens == P
+    index.check_integrity()
+
+
+def test_a_handed_off_index_belongs_to_the_next_thread_that_calls_it():
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    index.hand_off()
+    outcome = in_thread(lambda: index.match(NS, make_tokens(1)).matched_tokens)
+    assert outcome == {"value": P}
+    with pytest.raises(OwnerError, match="owned by thread 'intruder'"):
+        index.match(NS, make_tokens(1))  # the creator gave it away
+
+
+# ---- integrity ---------------------------------------------------------------------------
 
 
 def test_check_integrity_catches_a_broken_reverse_map():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
-    index._workers["a"].pages.pop(1)  # corrupt on purpose
+    index._registry.workers["a"].pages.pop(1)  # corrupt on purpose
     with pytest.raises(AssertionError, match="2 holders on nodes, 1 in reverse maps"):
         index.check_integrity()
 
@@ -691,11 +763,11 @@ def test_check_integrity_catches_a_broken_reverse_map():
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda index: index._key_arr.__setitem__(2, index._key_arr[2] + 2), "wrong key"),
-        (lambda index: index._chained_arr.__setitem__(2, 0), "chained flag"),
-        (lambda index: index._holder_count_arr.__setitem__(2, 2), "holder count"),
-        (lambda index: index._depth_arr.__setitem__(2, 5), "depth"),
-        (lambda index: index._tokens_arr.__setitem__((2, 0), 7), "does not match its page"),
+        (lambda index: index._nodes.key_arr.__setitem__(2, index._nodes.key[2] + 2), "wrong key"),
+        (lambda index: index._nodes.chained_arr.__setitem__(2, 0), "chained flag"),
+        (lambda index: index._holders.count_arr.__setitem__(2, 2), "holder count"),
+        (lambda index: index._nodes.depth_arr.__setitem__(2, 5), "depth"),
+        (lambda index: index._nodes.tokens_arr.__setitem__((2, 0), 7), "does not match its page"),
     ],
 )
 def test_check_integrity_catches_corruption(corrupt, message):
@@ -711,7 +783,7 @@ def test_check_integrity_catches_a_worker_changing_columns():
     index = make_index("a", "b")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "b", 1, stored((0, 1), (1, 2)))
-    slots = index._holder_slot_arr
+    slots = index._holders.slot_arr
     slots[2, [0, 1]] = slots[2, [1, 0]]  # node 2: a and b swap columns, node 1 does not
     with pytest.raises(AssertionError, match="same column"):
         index.check_integrity()
@@ -721,20 +793,10 @@ def test_node_ids_are_reused_after_pruning():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "a", 2, AllCleared())
-    allocated = index._allocated
+    allocated = index._nodes.allocated
     apply_ok(index, "a", 3, stored((0, 1), (3, 4)))
-    assert index._allocated == allocated == 3  # a root and two pages
+    assert index._nodes.allocated == allocated == 3  # a root and two pages
     index.check_integrity()
-
-
-def test_memory_per_page_stays_lean():
-    per_page = measure_bytes_per_page(100_000, page_tokens=16)
-    assert 100 < per_page <= 300, f"{per_page:.1f} bytes per page"
-
-
-def test_measure_rejects_no_pages():
-    with pytest.raises(ValueError, match="n_pages must be positive, got 0"):
-        measure_bytes_per_page(0)
 
 
 # ---- property: the index against a reference model ---------------------------------------
@@ -900,7 +962,7 @@ class Model:
             assert unpacked(self.index.match_packed(namespace, prompt)) == result
 
 
-def unpacked(packed: PackedMatch) -> MatchResult:
+def unpacked(packed: MatchResult) -> MatchResult:
     """A packed match with its page ids and generations as tuples again."""
     spans = []
     for span in packed.spans:
@@ -946,7 +1008,7 @@ def test_index_matches_a_reference_model(ops):
 @given(ops=st.lists(op_strategy, max_size=40))
 def test_the_vectorised_lookup_matches_the_model(runs, ops):
     """Paths walked as at most `runs` runs of node ids, the rest by all keys at once."""
-    with mock.patch.object(index_module, "_MAX_RUNS", runs):
+    with mock.patch.object(walk_module, "MAX_RUNS", runs):
         run_model(ops)
 
 
@@ -958,9 +1020,9 @@ def test_index_matches_the_model_when_every_key_collides(runs, ops):
     the same prefix key, so every lookup meets collisions and only the exact comparison of
     tokens and parents tells the nodes apart."""
     with (
-        mock.patch.object(index_module, "_draw_coefficients", collide_coefficients),
-        mock.patch.object(index_module, "_root_key", lambda secret, namespace: 1),
-        mock.patch.object(index_module, "_MAX_RUNS", runs),
+        mock.patch.object(keys_module, "_draw_coefficients", collide_coefficients),
+        mock.patch.object(keys_module, "_root_key", lambda secret, namespace: 1),
+        mock.patch.object(walk_module, "MAX_RUNS", runs),
     ):
         run_model(ops)
 

@@ -1,4 +1,7 @@
-"""The wire codec: round trips, packed tokens, events, limits, malformed frames, and a ZMQ loop.
+"""The wire codec: typed bodies, round trips, events, limits, malformed frames, and a ZMQ loop.
+
+Bodies are the typed messages of `cache_service.messages`; the raw-frame tests build and
+mutate the msgpack wire form directly. Token packing itself is tested in test_tokens.py.
 
 Guarantee 4 at the codec level: every malformed frame raises ProtocolError (never another
 exception, never a hang, memory bounded), a server answers it with an error reply, and a
@@ -15,7 +18,7 @@ import re
 import struct
 import threading
 import tracemalloc
-from array import array
+import typing
 
 import msgpack
 import numpy as np
@@ -24,6 +27,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cache_service import messages as message_types
 from cache_service import protocol
 from cache_service.events import (
     REMOVAL_REASONS,
@@ -32,6 +36,26 @@ from cache_service.events import (
     PagesRemoved,
     PagesStored,
 )
+from cache_service.messages import (
+    ApplyResult,
+    Bye,
+    ByeReply,
+    EpochReply,
+    ErrorReply,
+    GetStats,
+    Heartbeat,
+    HolderSpan,
+    Match,
+    MatchResult,
+    PackedSpan,
+    PublishEvents,
+    Register,
+    Resync,
+    ResyncReply,
+    Route,
+    RouteDecision,
+    StatsReply,
+)
 from cache_service.protocol import (
     BAD_FIELD,
     BAD_FRAME,
@@ -39,6 +63,7 @@ from cache_service.protocol import (
     DEFAULT_LIMITS,
     ERROR,
     INTERNAL,
+    KIND_OF,
     MATCH,
     MESSAGES,
     OK,
@@ -46,7 +71,6 @@ from cache_service.protocol import (
     TOO_DEEP,
     TOO_LARGE,
     UNKNOWN_TYPE,
-    HolderSpan,
     Limits,
     Message,
     ProtocolError,
@@ -57,12 +81,12 @@ from cache_service.protocol import (
     encode_event,
     error_reply,
     ok_reply,
-    pack_tokens,
     packed_tokens,
-    split_pages,
+    request,
     stored_pages,
-    unpack_tokens,
 )
+from cache_service.protocol.spans import check_spans
+from cache_service.tokens import pack_tokens, split_pages, unpack_tokens
 
 FUZZ = settings(
     max_examples=150,
@@ -89,45 +113,32 @@ def make_stored(pages: int = 2, page_tokens: int = 4, parent: int | None = None)
 
 
 SAMPLE_REQUESTS = {
-    "register": {
-        "worker_id": "w0",
-        "epoch": 3,
-        "node_id": "node-a",
-        "tier": "cpu",
-        "address": "tcp://10.0.0.5:7001",
-    },
-    "heartbeat": {"worker_id": "w0", "epoch": 3, "load": 0.25},
-    "events": {
-        "worker_id": "w0",
-        "epoch": 3,
-        "seq": 41,
-        "events": [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()],
-    },
-    "resync": {"worker_id": "w0", "epoch": 3, "seq": 42, "chains": [make_stored(3, 2)]},
-    "match": {"namespace": NS, "tokens": pack_tokens(make_tokens(40)), "requester": "w1"},
-    "route": {
-        "namespace": NS,
-        "tokens": pack_tokens(make_tokens(40)),
-        "loads": {"w0": 0.5, "w1": 0.0},
-    },
-    "stats": {},
-    "bye": {"worker_id": "w0", "epoch": 3},
+    "register": Register("w0", 3, "node-a", "cpu", "tcp://10.0.0.5:7001"),
+    "heartbeat": Heartbeat("w0", 3, 0.25),
+    "events": PublishEvents(
+        "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
+    ),
+    "resync": Resync("w0", 3, 42, [make_stored(3, 2)]),
+    "match": Match(NS, pack_tokens(make_tokens(40)), "w1"),
+    "route": Route(NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}),
+    "stats": GetStats(),
+    "bye": Bye("w0", 3),
 }
 SAMPLE_REPLIES = {
-    "register": {"service_epoch": 7},
-    "heartbeat": {"service_epoch": 7},
-    "events": {"applied": False, "needs_resync": True, "reason": "seq 41 after 39"},
-    "resync": {"pages": 3},
-    "match": {
-        "matched_tokens": 32,
-        "spans": (
+    "register": EpochReply(7),
+    "heartbeat": EpochReply(7),
+    "events": ApplyResult(False, True, "seq 41 after 39", 39),
+    "resync": ResyncReply(3),
+    "match": MatchResult(
+        32,
+        (
             HolderSpan("w0", "cpu", (10, 11), (0, 0)),
             HolderSpan("w2", "gpu", (5,), (1,)),
         ),
-    },
-    "route": {"worker_id": "w0", "matched_tokens": 32, "score": -1.5, "reason": "prefix"},
-    "stats": {"stats": {"hit_rate": 0.5, "workers": {"w0": {"pages": 3}}, "tiers": ["cpu"]}},
-    "bye": {},
+    ),
+    "route": RouteDecision("w0", 32, -1.5, "prefix"),
+    "stats": StatsReply({"hit_rate": 0.5, "workers": {"w0": {"pages": 3}}, "tiers": ["cpu"]}),
+    "bye": ByeReply(),
 }
 GOOD_MATCH = Message(MATCH, 99, SAMPLE_REQUESTS["match"])
 GOOD_FRAME = encode(GOOD_MATCH)
@@ -139,10 +150,18 @@ def raw_frame(kind: str, body: object, *, request_id: object = 1, **envelope: ob
     return msgpack.packb(frame, use_bin_type=True)
 
 
-def wire_body(kind: str, body: dict, reply: bool = False) -> dict:
-    """`body` in its msgpack wire form (as decode sees it), for mutating one field."""
+def wire_body(kind: str, body: tuple, reply: bool = False) -> dict:
+    """The typed `body` in its msgpack wire form (a map, as decode sees it), for mutating
+    one field."""
     msg = Message(OK, 1, body, kind) if reply else Message(kind, 1, body)
     return msgpack.unpackb(encode(msg))["b"]
+
+
+def assert_same_message(got: Message, expected: Message) -> None:
+    """`got == expected`, and each body of its own class: NamedTuples compare as tuples, so
+    EpochReply(3) == ResyncReply(3) and only the class tells them apart."""
+    assert got == expected
+    assert type(got.body) is type(expected.body), (type(got.body), type(expected.body))
 
 
 def assert_rejected(frame: bytes, *codes: str, expect: str = "request") -> ProtocolError:
@@ -154,7 +173,43 @@ def assert_rejected(frame: bytes, *codes: str, expect: str = "request") -> Proto
 
 
 def assert_still_serves() -> None:
-    assert decode(GOOD_FRAME) == GOOD_MATCH
+    assert_same_message(decode(GOOD_FRAME), GOOD_MATCH)
+
+
+# --- the message table --------------------------------------------------------------------
+
+
+def test_every_request_class_has_one_message_type():
+    requests = typing.get_args(message_types.Request)
+    assert len(set(requests)) == len(requests) == len(MESSAGES)
+    assert set(KIND_OF) == set(requests)
+    for cls in requests:
+        kinds = [kind for kind, schema in MESSAGES.items() if schema.request.type is cls]
+        assert kinds == [KIND_OF[cls]], cls
+    replies = {schema.reply.type for schema in MESSAGES.values()} | {protocol.ERROR_BODY.type}
+    assert replies == set(typing.get_args(message_types.Reply))
+    # Every message class of the module is a request, a reply or a span: none is left out.
+    declared = {
+        value
+        for value in vars(message_types).values()
+        if isinstance(value, type)
+        and issubclass(value, tuple)
+        and value.__module__ == message_types.__name__
+    }
+    assert declared == set(requests) | replies | {HolderSpan, PackedSpan}
+
+
+def test_table_fields_are_the_classes_fields():
+    bodies = [body for schema in MESSAGES.values() for body in schema]
+    for body in [*bodies, protocol.ERROR_BODY]:
+        assert tuple(body.fields) == body.type._fields, body.path
+        assert [name for name, _, _ in body.checks] == list(body.type._fields)
+        assert [name for name, _ in body.wires] == list(body.type._fields)
+    for kind, schema in MESSAGES.items():
+        assert (schema.request.path, schema.reply.path) == (kind, f"{kind}.reply")
+        assert type(SAMPLE_REQUESTS[kind]) is schema.request.type
+        assert type(SAMPLE_REPLIES[kind]) is schema.reply.type
+    assert set(SAMPLE_REQUESTS) == set(SAMPLE_REPLIES) == set(MESSAGES)
 
 
 # --- round trips --------------------------------------------------------------------------
@@ -162,25 +217,35 @@ def assert_still_serves() -> None:
 
 @pytest.mark.parametrize("kind", sorted(MESSAGES))
 def test_every_request_and_reply_round_trips(kind):
-    request = Message(kind, 12, SAMPLE_REQUESTS[kind])
-    assert decode(encode(request)) == request
-    reply = ok_reply(request, SAMPLE_REPLIES[kind])
+    msg = request(12, SAMPLE_REQUESTS[kind])
+    assert msg == Message(kind, 12, SAMPLE_REQUESTS[kind])
+    assert_same_message(decode(encode(msg)), msg)
+    reply = ok_reply(msg, SAMPLE_REPLIES[kind])
     assert reply.answers == kind
-    assert decode(encode(reply), "reply") == reply
+    assert_same_message(decode(encode(reply), "reply"), reply)
+
+
+def test_request_takes_request_bodies_only():
+    for body in (SAMPLE_REPLIES[MATCH], {"worker_id": "w0", "epoch": 3}, ("w0", 3), None):
+        with pytest.raises(ProtocolError, match="is not a request type") as info:
+            request(1, body)  # type: ignore[arg-type]
+        assert info.value.code == UNKNOWN_TYPE
 
 
 def test_error_reply_round_trips():
     reply = error_reply(12, ProtocolError(BAD_FIELD, "match.tokens: 3 bytes"))
-    assert reply == Message(ERROR, 12, {"code": BAD_FIELD, "message": "match.tokens: 3 bytes"})
-    assert decode(encode(reply), "reply") == reply
+    assert reply == Message(ERROR, 12, ErrorReply(BAD_FIELD, "match.tokens: 3 bytes"))
+    assert type(reply.body) is ErrorReply
+    assert_same_message(decode(encode(reply), "reply"), reply)
 
 
 def test_decoded_bodies_hold_typed_values():
     match = decode(encode(Message(MATCH, 1, SAMPLE_REQUESTS["match"]))).body
-    assert type(match["namespace"]) is Namespace
-    assert type(match["tokens"]) is bytes  # the fast path: pages compared as bytes
-    assert unpack_tokens(match["tokens"]).tolist() == make_tokens(40)
-    events = decode(encode(Message("events", 1, SAMPLE_REQUESTS["events"]))).body["events"]
+    assert type(match) is Match
+    assert type(match.namespace) is Namespace
+    assert type(match.tokens) is bytes  # the fast path: pages compared as bytes
+    assert unpack_tokens(match.tokens).tolist() == make_tokens(40)
+    events = decode(encode(Message("events", 1, SAMPLE_REQUESTS["events"]))).body.events
     assert [type(event).__name__ for event in events] == [
         "PagesStored",
         "PagesRemoved",
@@ -188,22 +253,62 @@ def test_decoded_bodies_hold_typed_values():
     ]
     assert isinstance(events[0], PagesStored) and events[0].tokens == make_stored().tokens
     reply = decode(encode(ok_reply(GOOD_MATCH, SAMPLE_REPLIES["match"])), "reply").body
-    assert reply["spans"] == SAMPLE_REPLIES["match"]["spans"]
-    assert type(reply["spans"]) is tuple and type(reply["spans"][1]) is HolderSpan
-    assert type(reply["spans"][1].page_ids) is tuple
+    assert type(reply) is MatchResult
+    assert reply.spans == SAMPLE_REPLIES["match"].spans
+    assert type(reply.spans) is tuple and type(reply.spans[1]) is HolderSpan
+    assert type(reply.spans[1].page_ids) is tuple
 
 
 def test_encode_accepts_plain_forms():
-    body = {"namespace": ["m", "", ""], "tokens": np.arange(8), "requester": None}
+    body = Match(["m", "", ""], np.arange(8), None)
     got = decode(encode(Message(MATCH, 1, body))).body
-    assert got == {"namespace": Namespace("m"), "tokens": pack_tokens(range(8)), "requester": None}
-    heartbeat = decode(encode(Message("heartbeat", 1, {"worker_id": "w", "epoch": 0, "load": 2})))
-    assert type(heartbeat.body["load"]) is float
+    assert type(got) is Match and type(got.namespace) is Namespace
+    assert got == Match(Namespace("m"), pack_tokens(range(8)), None)
+    heartbeat = decode(encode(Message("heartbeat", 1, Heartbeat("w", 0, 2))))
+    assert type(heartbeat.body.load) is float
+
+
+@pytest.mark.parametrize(
+    "msg, message",
+    [
+        (
+            Message(MATCH, 3, SAMPLE_REQUESTS[MATCH]._asdict()),
+            "match: body must be Match, got dict",
+        ),
+        (
+            Message(MATCH, 3, tuple(SAMPLE_REQUESTS[MATCH])),
+            "match: body must be Match, got tuple",
+        ),
+        (
+            Message(MATCH, 3, SAMPLE_REQUESTS["heartbeat"]),
+            "match: body must be Match, got Heartbeat",
+        ),
+        (Message("stats", 3, {}), "stats: body must be GetStats, got dict"),
+        (
+            ok_reply(Message(MATCH, 3, SAMPLE_REQUESTS[MATCH]), SAMPLE_REPLIES["resync"]),
+            "match.reply: body must be MatchResult, got ResyncReply",
+        ),
+        (
+            ok_reply(Message("resync", 3, SAMPLE_REQUESTS["resync"]), SAMPLE_REPLIES["register"]),
+            "resync.reply: body must be ResyncReply, got EpochReply",
+        ),
+        (
+            Message(ERROR, 3, {"code": BAD_FIELD, "message": "m"}),
+            "error: body must be ErrorReply, got dict",
+        ),
+    ],
+)
+def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
+    with pytest.raises(ProtocolError) as info:
+        encode(msg)
+    assert info.value.code == BAD_FIELD and info.value.request_id == 3
+    assert info.value.message == message
 
 
 def test_envelope_layout():
-    assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, {"matched_tokens": 0, "spans": ()}))) == {
-        "v": 1,
+    assert PROTOCOL_VERSION == 2  # 2: the events reply carries last_seq
+    assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
+        "v": PROTOCOL_VERSION,
         "t": OK,
         "id": 99,
         "r": MATCH,
@@ -225,8 +330,8 @@ def test_encode_accepts_plain_span_forms():
         ("w1", "gpu", np.array([7], dtype=np.int32), struct.pack("<q", 3)),
         ["w2", "cpu", struct.pack("<i", 2**31 - 1), (2**63 - 1,)],
     ]
-    got = decode(encode(ok_reply(GOOD_MATCH, {"matched_tokens": 8, "spans": spans})), "reply")
-    assert got.body["spans"] == (
+    got = decode(encode(ok_reply(GOOD_MATCH, MatchResult(8, spans))), "reply")
+    assert got.body.spans == (
         HolderSpan("w0", "cpu", (10, 11), (2**40, 0)),
         HolderSpan("w1", "gpu", (7,), (3,)),
         HolderSpan("w2", "cpu", (2**31 - 1,), (2**63 - 1,)),
@@ -247,7 +352,7 @@ def test_encode_accepts_plain_span_forms():
 )
 def test_encode_checks_spans(spans, message):
     with pytest.raises(ProtocolError, match=message) as info:
-        encode(ok_reply(GOOD_MATCH, {"matched_tokens": 4, "spans": spans}))
+        encode(ok_reply(GOOD_MATCH, MatchResult(4, spans)))
     assert info.value.code == BAD_FIELD
 
 
@@ -261,11 +366,15 @@ def test_a_match_result_round_trips():
     index.apply_events("a", 1, 1, [PagesStored(NS, None, (7, 8, 9), (1, 2, 3), tuple(tokens))])
     index.apply_events("b", 1, 1, [PagesStored(NS, None, (4,), (2**40,), tuple(tokens[:4]))])
     result = index.match(NS, pack_tokens(tokens + [99]), requester="b")
-    body = {"matched_tokens": result.matched_tokens, "spans": result.spans}
-    got = decode(encode(ok_reply(GOOD_MATCH, body), check=False), "reply").body
-    packed = index.match_packed(NS, pack_tokens(tokens), requester="b")._asdict()
-    assert decode(encode(ok_reply(GOOD_MATCH, packed)), "reply").body == got
-    assert got == body and got["spans"] == (
+    assert type(result) is MatchResult
+    got = decode(encode(ok_reply(GOOD_MATCH, result), check=False), "reply").body
+    packed = index.match_packed(NS, pack_tokens(tokens), requester="b")
+    assert type(packed) is MatchResult and type(packed.spans[0]) is PackedSpan
+    assert_same_message(
+        decode(encode(ok_reply(GOOD_MATCH, packed)), "reply"), ok_reply(GOOD_MATCH, got)
+    )
+    assert type(got) is MatchResult and got == result
+    assert got.spans == (
         HolderSpan("a", "gpu", (7, 8, 9), (1, 2, 3)),
         HolderSpan("b", "gpu", (4,), (2**40,)),
     )
@@ -332,88 +441,76 @@ def holder_spans(draw):
 
 
 REQUEST_BODIES = {
-    "register": st.fixed_dictionaries(
-        {
-            "worker_id": names,
-            "epoch": counts,
-            "node_id": names,
-            "tier": names,
-            "address": st.text(max_size=30),
-        }
+    "register": st.builds(
+        Register,
+        worker_id=names,
+        epoch=counts,
+        node_id=names,
+        tier=names,
+        address=st.text(max_size=30),
     ),
-    "heartbeat": st.fixed_dictionaries(
-        {
-            "worker_id": names,
-            "epoch": counts,
-            "load": st.floats(min_value=0, allow_infinity=False),
-        }
+    "heartbeat": st.builds(
+        Heartbeat,
+        worker_id=names,
+        epoch=counts,
+        load=st.floats(min_value=0, allow_infinity=False),
     ),
-    "events": st.fixed_dictionaries(
-        {
-            "worker_id": names,
-            "epoch": counts,
-            "seq": counts,
-            "events": st.lists(events, max_size=4),
-        }
+    "events": st.builds(
+        PublishEvents,
+        worker_id=names,
+        epoch=counts,
+        seq=counts,
+        events=st.lists(events, max_size=4),
     ),
-    "resync": st.fixed_dictionaries(
-        {
-            "worker_id": names,
-            "epoch": counts,
-            "seq": counts,
-            "chains": st.lists(stored_events(), max_size=3),
-        }
+    "resync": st.builds(
+        Resync,
+        worker_id=names,
+        epoch=counts,
+        seq=counts,
+        chains=st.lists(stored_events(), max_size=3),
     ),
-    "match": st.fixed_dictionaries(
-        {
-            "namespace": namespaces,
-            "tokens": token_ids.map(pack_tokens),
-            "requester": st.none() | names,
-        }
+    "match": st.builds(
+        Match,
+        namespace=namespaces,
+        tokens=token_ids.map(pack_tokens),
+        requester=st.none() | names,
     ),
-    "route": st.fixed_dictionaries(
-        {
-            "namespace": namespaces,
-            "tokens": token_ids.map(pack_tokens),
-            "loads": st.dictionaries(
-                names, st.floats(min_value=0, allow_infinity=False), max_size=4
-            ),
-        }
+    "route": st.builds(
+        Route,
+        namespace=namespaces,
+        tokens=token_ids.map(pack_tokens),
+        loads=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
     ),
-    "stats": st.just({}),
-    "bye": st.fixed_dictionaries({"worker_id": names, "epoch": counts}),
+    "stats": st.builds(GetStats),
+    "bye": st.builds(Bye, worker_id=names, epoch=counts),
 }
 REPLY_BODIES = {
-    "register": st.fixed_dictionaries({"service_epoch": counts}),
-    "heartbeat": st.fixed_dictionaries({"service_epoch": counts}),
-    "events": st.fixed_dictionaries(
-        {
-            "applied": st.booleans(),
-            "needs_resync": st.booleans(),
-            "reason": st.text(max_size=20),
-        }
+    "register": st.builds(EpochReply, service_epoch=counts),
+    "heartbeat": st.builds(EpochReply, service_epoch=counts),
+    "events": st.builds(
+        ApplyResult,
+        applied=st.booleans(),
+        needs_resync=st.booleans(),
+        reason=st.text(max_size=20),
+        last_seq=counts,
     ),
-    "resync": st.fixed_dictionaries({"pages": counts}),
-    "match": st.fixed_dictionaries(
-        {
-            "matched_tokens": counts,
-            "spans": st.lists(holder_spans(), max_size=5).map(tuple),
-        }
+    "resync": st.builds(ResyncReply, pages=counts),
+    "match": st.builds(
+        MatchResult,
+        matched_tokens=counts,
+        spans=st.lists(holder_spans(), max_size=5).map(tuple),
     ),
-    "route": st.fixed_dictionaries(
-        {
-            "worker_id": st.none() | names,
-            "matched_tokens": counts,
-            "score": st.floats(allow_nan=False, allow_infinity=False),
-            "reason": st.text(max_size=20),
-        }
+    "route": st.builds(
+        RouteDecision,
+        worker_id=st.none() | names,
+        matched_tokens=counts,
+        score=st.floats(allow_nan=False, allow_infinity=False),
+        reason=st.text(max_size=20),
     ),
-    "stats": st.fixed_dictionaries(
-        {
-            "stats": st.dictionaries(st.text(max_size=8), stats_values, max_size=4),
-        }
+    "stats": st.builds(
+        StatsReply, stats=st.dictionaries(st.text(max_size=8), stats_values, max_size=4)
     ),
-    "bye": st.just({}),
+    "bye": st.builds(ByeReply),
 }
 
 
@@ -428,7 +525,7 @@ def messages(draw):
     if shape == "ok":
         return Message(OK, request_id, draw(REPLY_BODIES[kind]), kind)
     code = draw(st.sampled_from(protocol.ERROR_CODES) | names)
-    return Message(ERROR, request_id, {"code": code, "message": draw(st.text(max_size=40))})
+    return Message(ERROR, request_id, ErrorReply(code, draw(st.text(max_size=40))))
 
 
 def expect_of(msg: Message) -> str:
@@ -438,65 +535,7 @@ def expect_of(msg: Message) -> str:
 @FUZZ
 @given(messages())
 def test_generated_messages_round_trip(msg):
-    assert decode(encode(msg), expect_of(msg)) == msg
-
-
-# --- tokens -------------------------------------------------------------------------------
-
-
-def test_tokens_round_trip_at_int32_bounds():
-    ids = [-(2**31), -1, 0, 1, 2**31 - 1]
-    packed = pack_tokens(ids)
-    assert packed == struct.pack("<5i", *ids)
-    assert unpack_tokens(packed).tolist() == ids
-    assert unpack_tokens(packed).dtype == np.dtype("<i4")
-    assert pack_tokens(np.array(ids, dtype=np.int64)) == packed
-    assert pack_tokens(array("i", ids)) == packed
-    assert pack_tokens(np.array(ids, dtype=">i4")) == packed
-    assert pack_tokens(iter(ids)) == packed
-    assert pack_tokens([]) == b"" and unpack_tokens(b"").tolist() == []
-
-
-@pytest.mark.parametrize(
-    "ids",
-    [
-        [2**31],
-        [0, -(2**31) - 1],
-        np.array([2**40], dtype=np.int64),
-        np.array([2**32], dtype=np.uint64),
-        [2**70],
-        [1.5],
-        np.array([True]),
-        [[1, 2]],
-        ["1"],
-        [None],
-        b"\x00\x00\x00\x00",
-        "abc",
-        5,
-        None,
-        np.zeros((2, 2), dtype=np.int32),
-    ],
-)
-def test_pack_tokens_rejects_what_is_not_int32(ids):
-    with pytest.raises(ProtocolError) as info:
-        pack_tokens(ids)
-    assert info.value.code == BAD_FIELD
-
-
-def test_out_of_range_token_is_named():
-    with pytest.raises(ProtocolError, match=r"token id 2147483648 at index 2"):
-        pack_tokens([0, 1, 2**31, 3])
-
-
-def test_unpack_tokens_needs_whole_int32():
-    with pytest.raises(ProtocolError):
-        unpack_tokens(b"\x00" * 7)
-
-
-def test_split_pages_keeps_full_pages_as_bytes():
-    packed = pack_tokens(make_tokens(10))
-    assert split_pages(packed, 4) == [pack_tokens([0, 1, 2, 3]), pack_tokens([4, 5, 6, 7])]
-    assert split_pages(packed, 11) == []
+    assert_same_message(decode(encode(msg), expect_of(msg)), msg)
 
 
 # --- events -------------------------------------------------------------------------------
@@ -741,9 +780,9 @@ INVALID = {
 FIELD_CASES = [
     (kind, reply, name, field.kind)
     for kind, schema in MESSAGES.items()
-    for reply, fields in ((False, schema.request), (True, schema.reply))
-    for name, field in fields.items()
-] + [(ERROR, True, name, field.kind) for name, field in protocol.ERROR_FIELDS.items()]
+    for reply, body in ((False, schema.request), (True, schema.reply))
+    for name, field in body.fields.items()
+] + [(ERROR, True, name, field.kind) for name, field in protocol.ERROR_BODY.fields.items()]
 
 
 def test_every_field_kind_has_invalid_values():
@@ -861,13 +900,13 @@ def test_span_counts_are_bounded():
     limits = Limits(max_tokens=4, max_list_len=5)
     span = ["w", "cpu", struct.pack("<4i", 0, 1, 2, 3), struct.pack("<4q", 0, 0, 0, 0)]
     frame = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 5}, r=MATCH)
-    assert len(decode(frame, "reply", limits=limits).body["spans"]) == 5
+    assert len(decode(frame, "reply", limits=limits).body.spans) == 5
     too_many = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 6}, r=MATCH)
     with pytest.raises(ProtocolError, match="6 exceeds max_array_len") as info:
         decode(too_many, "reply", limits=limits)  # refused by msgpack itself
     assert info.value.code == TOO_LARGE
     with pytest.raises(ProtocolError, match="spans: 6 items exceeds max_list_len 5") as info:
-        protocol._check_spans([span] * 6, "match.reply.spans", limits)
+        check_spans([span] * 6, "match.reply.spans", limits)
     assert info.value.code == TOO_LARGE
     long = ["w", "cpu", struct.pack("<5i", *range(5)), struct.pack("<5q", *range(5))]
     too_long = raw_frame(OK, {"matched_tokens": 20, "spans": [long]}, r=MATCH)
@@ -883,7 +922,7 @@ def test_values_at_their_limits_are_accepted():
         "tokens": pack_tokens(make_tokens(8)),
         "requester": "wxyz",
     }
-    assert decode(raw_frame(MATCH, body), limits=limits).body["namespace"] == ("abcd", "", "")
+    assert decode(raw_frame(MATCH, body), limits=limits).body.namespace == ("abcd", "", "")
     for name, value in [("tokens", pack_tokens(make_tokens(9))), ("requester", "vwxyz")]:
         error = assert_rejected_with(raw_frame(MATCH, {**body, name: value}), limits)
         assert error.code == TOO_LARGE and f"match.{name}" in error.message
@@ -891,8 +930,9 @@ def test_values_at_their_limits_are_accepted():
     body = {"namespace": ["m", "", ""], "tokens": b"", "loads": loads}
     assert assert_rejected_with(raw_frame("route", body), limits).code == TOO_LARGE
     assert assert_rejected_with(GOOD_FRAME, Limits(max_frame_bytes=64)).code == TOO_LARGE
-    edge = {"worker_id": "w", "epoch": 2**63 - 1, "seq": 0, "events": []}
-    assert decode(raw_frame("events", edge)).body == edge
+    edge = PublishEvents("w", 2**63 - 1, 0, [])
+    got = decode(raw_frame("events", edge._asdict())).body
+    assert type(got) is PublishEvents and got == edge
 
 
 def assert_rejected_with(frame: bytes, limits: Limits) -> ProtocolError:
@@ -924,10 +964,12 @@ def test_limits_are_validated():
 @pytest.mark.parametrize(
     "frame, code",
     [
-        (raw_frame(MATCH, {}, v=2), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=1), BAD_VERSION),  # the version before last_seq
+        (raw_frame(MATCH, {}, v=3), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
-        (raw_frame(MATCH, {}, v="1"), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=float(PROTOCOL_VERSION)), BAD_VERSION),
         (msgpack.packb({"t": MATCH, "id": 1, "b": {}}), BAD_FRAME),
         (raw_frame("teleport", {}), UNKNOWN_TYPE),
         (raw_frame(OK, {}, r=MATCH), UNKNOWN_TYPE),  # a reply where a request belongs
@@ -937,8 +979,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, request_id=True), BAD_FRAME),
         (raw_frame(MATCH, {}, request_id=2**64 - 1), BAD_FRAME),
         (raw_frame(MATCH, {}, request_id=1.0), BAD_FRAME),
-        (raw_frame(MATCH, SAMPLE_REQUESTS["stats"], x=1), BAD_FRAME),
-        (msgpack.packb({"v": 1, "t": MATCH, "id": 1}), BAD_FRAME),
+        (raw_frame(MATCH, wire_body("stats", SAMPLE_REQUESTS["stats"]), x=1), BAD_FRAME),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": MATCH, "id": 1}), BAD_FRAME),
         (msgpack.packb([1, MATCH, 1, {}]), BAD_FRAME),
         (msgpack.packb("match"), BAD_FRAME),
         (raw_frame(MATCH, [1, 2, 3]), BAD_FIELD),
@@ -956,7 +998,7 @@ def test_bad_envelopes(frame, code):
     st.one_of(st.just(PROTOCOL_VERSION), msgpack_values),
     st.one_of(st.sampled_from([*MESSAGES, OK, ERROR]), st.text(max_size=12), msgpack_values),
     st.one_of(st.integers(0, 2**63 - 1), msgpack_values),
-    st.one_of(st.just(SAMPLE_REQUESTS["stats"]), msgpack_values),
+    st.one_of(st.just(wire_body("stats", SAMPLE_REQUESTS["stats"])), msgpack_values),
     st.dictionaries(st.sampled_from(["v", "t", "id", "b", "r", "x"]), msgpack_values, max_size=2),
     st.sampled_from(["request", "reply"]),
 )
@@ -1002,7 +1044,8 @@ def test_ext_types_are_refused_anywhere(value):
 def test_non_str_map_keys_are_refused(key):
     body = {**wire_body(MATCH, SAMPLE_REQUESTS[MATCH]), key: 1}
     assert_rejected(raw_frame(MATCH, body), BAD_FRAME, BAD_FIELD)
-    assert_rejected(msgpack.packb({"v": 1, "t": MATCH, "id": 1, "b": {}, key: 1}), BAD_FRAME)
+    envelope = {"v": PROTOCOL_VERSION, "t": MATCH, "id": 1, "b": {}, key: 1}
+    assert_rejected(msgpack.packb(envelope), BAD_FRAME)
     stats = {"stats": {"ok": 1, "nested": {key: 1}}}
     assert_rejected(raw_frame(OK, stats, r="stats"), BAD_FRAME, BAD_FIELD, expect="reply")
 
@@ -1048,7 +1091,7 @@ def test_nesting_below_the_schema_is_too_deep(levels):
 
 def test_deepest_fixed_schema_fits():
     frame = encode(Message("events", 1, SAMPLE_REQUESTS["events"]))
-    assert decode(frame).body["events"][0] == make_stored()
+    assert decode(frame).body.events[0] == make_stored()
     reply = ok_reply(GOOD_MATCH, SAMPLE_REPLIES["match"])
     bad = msgpack.unpackb(encode(reply))
     bad["b"]["spans"][0][0] = ["w0"]
@@ -1060,7 +1103,7 @@ def test_stats_nest_up_to_max_depth():
         return raw_frame(OK, {"stats": {"a": nested(levels, 1)}}, r="stats")
 
     # envelope, body, stats map = 3 levels; 5 more reach max_depth 8.
-    assert decode(stats_frame(5), "reply").body["stats"]["a"] == nested(5, 1)
+    assert decode(stats_frame(5), "reply").body.stats["a"] == nested(5, 1)
     assert_rejected(stats_frame(6), TOO_DEEP, expect="reply")
     assert decode(stats_frame(6), "reply", limits=Limits(max_depth=9))
 
@@ -1180,35 +1223,35 @@ def test_lying_headers_do_not_allocate():
 
 def test_long_lists_take_the_careful_way():
     events = [PagesRemoved((page,), "evicted") for page in range(300)]  # over 128 items
-    body = {"worker_id": "w0", "epoch": 1, "seq": 1, "events": events}
-    assert decode(encode(Message("events", 3, body))).body["events"] == events
+    body = PublishEvents("w0", 1, 1, events)
+    assert decode(encode(Message("events", 3, body))).body.events == events
     spans = tuple(HolderSpan(f"w{i}", "cpu", (i,), (0,)) for i in range(200))
-    reply = ok_reply(GOOD_MATCH, {"matched_tokens": 4, "spans": spans})
-    assert decode(encode(reply), "reply").body["spans"] == spans
+    reply = ok_reply(GOOD_MATCH, MatchResult(4, spans))
+    assert decode(encode(reply), "reply").body.spans == spans
     loads = {f"w{i}": 0.5 for i in range(40)}  # a map of over 16 keys
-    body = {"namespace": NS, "tokens": b"", "loads": loads}
-    assert decode(encode(Message("route", 3, body))).body["loads"] == loads
+    body = Route(NS, b"", loads)
+    assert decode(encode(Message("route", 3, body))).body.loads == loads
 
 
 def test_oversized_frames_are_refused_before_decoding():
     frame = b"\x00" * (DEFAULT_LIMITS.max_frame_bytes + 1)
     peak = peak_bytes_while(lambda: assert_rejected(frame, TOO_LARGE))
     assert peak < 1 << 20
-    big = {**SAMPLE_REQUESTS[MATCH], "tokens": b"\x00" * (4 * DEFAULT_LIMITS.max_tokens + 4)}
-    error = assert_rejected(raw_frame(MATCH, big), TOO_LARGE)
+    big = SAMPLE_REQUESTS[MATCH]._replace(tokens=b"\x00" * (4 * DEFAULT_LIMITS.max_tokens + 4))
+    error = assert_rejected(raw_frame(MATCH, big._asdict()), TOO_LARGE)
     assert "match.tokens: 1048577 tokens exceeds max_tokens 1048576" in error.message
     assert_rejected(header("array32", 2**32 - 1) + b"\x00", TOO_LARGE, BAD_FRAME)
 
 
 def test_a_max_size_prompt_decodes():
-    body = {**SAMPLE_REQUESTS[MATCH], "tokens": pack_tokens(np.arange(DEFAULT_LIMITS.max_tokens))}
+    body = SAMPLE_REQUESTS[MATCH]._replace(tokens=pack_tokens(np.arange(DEFAULT_LIMITS.max_tokens)))
     got = decode(encode(Message(MATCH, 1, body))).body
-    assert len(got["tokens"]) == 4 * DEFAULT_LIMITS.max_tokens
+    assert len(got.tokens) == 4 * DEFAULT_LIMITS.max_tokens
 
 
 def test_decode_takes_bytes_like_frames_only():
-    assert decode(memoryview(GOOD_FRAME)) == GOOD_MATCH
-    assert decode(bytearray(GOOD_FRAME)) == GOOD_MATCH
+    assert_same_message(decode(memoryview(GOOD_FRAME)), GOOD_MATCH)
+    assert_same_message(decode(bytearray(GOOD_FRAME)), GOOD_MATCH)
     assert_rejected(b"", BAD_FRAME)
     with pytest.raises(ProtocolError):
         decode("not bytes")  # type: ignore[arg-type]
@@ -1221,32 +1264,40 @@ def test_decode_takes_bytes_like_frames_only():
 
 def test_encode_checks_what_it_sends():
     with pytest.raises(ProtocolError) as info:
-        encode(Message("teleport", 1, {}))
+        encode(Message("teleport", 1, GetStats()))
     assert info.value.code == UNKNOWN_TYPE
-    with pytest.raises(ProtocolError, match="missing field 'requester'"):
+    # A missing field cannot be built: the typed body carries every field or none.
+    with pytest.raises(TypeError, match="requester"):
+        Match(NS, b"")  # type: ignore[call-arg]
+    with pytest.raises(ProtocolError, match="match: body must be Match, got dict"):
         encode(Message(MATCH, 1, {"namespace": NS, "tokens": b""}))
     with pytest.raises(ProtocolError, match=r"match\.requester: expected a non-empty str"):
-        encode(Message(MATCH, 4, {**SAMPLE_REQUESTS[MATCH], "requester": ""}))
-    with pytest.raises(ProtocolError, match="match.tokens: token id"):
-        encode(Message(MATCH, 1, {**SAMPLE_REQUESTS[MATCH], "tokens": [2**31]}))
+        encode(Message(MATCH, 4, SAMPLE_REQUESTS[MATCH]._replace(requester="")))
+    with pytest.raises(ProtocolError) as info:
+        encode(Message(MATCH, 1, SAMPLE_REQUESTS[MATCH]._replace(tokens=[2**31])))
+    assert info.value.code == BAD_FIELD
+    assert info.value.message.startswith("match.tokens: token id 2147483648 at index 0")
     with pytest.raises(ProtocolError, match="cannot encode"):
-        encode(Message(MATCH, 1, {**SAMPLE_REQUESTS[MATCH], "requester": object()}))
+        encode(Message(MATCH, 1, SAMPLE_REQUESTS[MATCH]._replace(requester=object())))
     with pytest.raises(ProtocolError, match="expected a KvEvent"):
-        encode(Message("events", 1, {**SAMPLE_REQUESTS["events"], "events": [("s",)]}))
+        encode(Message("events", 1, SAMPLE_REQUESTS["events"]._replace(events=[("s",)])))
     with pytest.raises(ProtocolError, match="envelope.id"):
         encode(Message(MATCH, 0, SAMPLE_REQUESTS[MATCH]))
     with pytest.raises(ProtocolError) as info:
         encode(GOOD_MATCH, limits=Limits(max_frame_bytes=64))
     assert info.value.code == TOO_LARGE and info.value.request_id == 99
-    unchecked = encode(Message(MATCH, 4, {**SAMPLE_REQUESTS[MATCH], "requester": ""}), check=False)
+    unchecked = encode(
+        Message(MATCH, 4, SAMPLE_REQUESTS[MATCH]._replace(requester="")), check=False
+    )
     assert_rejected(unchecked, BAD_FIELD)
 
 
 def test_error_reply_for_any_exception():
-    assert error_reply(5, KeyError("w9")).body == {"code": INTERNAL, "message": "KeyError: 'w9'"}
+    internal = error_reply(5, KeyError("w9")).body
+    assert type(internal) is ErrorReply and internal == ErrorReply(INTERNAL, "KeyError: 'w9'")
     long = error_reply(5, ProtocolError("stale_epoch", "x" * 10_000))
-    assert long.body["code"] == "stale_epoch" and len(long.body["message"]) == 4096
-    assert decode(encode(long), "reply") == long
+    assert long.body.code == "stale_epoch" and len(long.body.message) == 4096
+    assert_same_message(decode(encode(long), "reply"), long)
     assert error_reply(-1, ValueError("v")).request_id == 0
     assert error_reply(True, ValueError("v")).request_id == 0
 
@@ -1271,8 +1322,8 @@ def serve(router: zmq.Socket, stop: threading.Event) -> None:
                 continue
             identity, frame = router.recv_multipart()
             try:
-                request = decode(frame)
-                reply = ok_reply(request, SAMPLE_REPLIES[request.type])
+                asked = decode(frame)
+                reply = ok_reply(asked, SAMPLE_REPLIES[asked.type])
             except ProtocolError as exc:
                 reply = error_reply(exc.request_id, exc)
             router.send_multipart([identity, encode(reply)])
@@ -1300,7 +1351,7 @@ def test_router_answers_every_bad_frame_and_keeps_serving():
         (b"\x91" * 10_000 + b"\xc0", 0, TOO_DEEP),
         (header("array32", DEFAULT_LIMITS.max_list_len) * 1000, 0, BAD_FRAME),
         (b"\x00" * (DEFAULT_LIMITS.max_frame_bytes + 1), 0, TOO_LARGE),
-        (raw_frame(MATCH, {}, v=2), 0, BAD_VERSION),
+        (raw_frame(MATCH, {}, v=1), 0, BAD_VERSION),
         (raw_frame("teleport", {}, request_id=11), 11, UNKNOWN_TYPE),
         (frame_with(MATCH, False, "tokens", b"\x00" * 5, request_id=12), 12, BAD_FIELD),
         (frame_with("heartbeat", False, "epoch", True, request_id=13), 13, BAD_FIELD),
@@ -1314,13 +1365,13 @@ def test_router_answers_every_bad_frame_and_keeps_serving():
         for frame, _, _ in bad:
             dealer.send(frame)
         replies = [decode(dealer.recv(), "reply") for _ in bad]
-        assert [(reply.type, reply.request_id, reply.body["code"]) for reply in replies] == [
+        assert [(reply.type, reply.request_id, reply.body.code) for reply in replies] == [
             (ERROR, request_id, code) for _, request_id, code in bad
         ]
-        assert all(reply.body["message"] for reply in replies)
+        assert all(type(reply.body) is ErrorReply and reply.body.message for reply in replies)
         dealer.send(GOOD_FRAME)
         reply = decode(dealer.recv(), "reply")
-        assert reply == Message(OK, 99, SAMPLE_REPLIES[MATCH], MATCH)
+        assert_same_message(reply, Message(OK, 99, SAMPLE_REPLIES[MATCH], MATCH))
     finally:
         stop.set()
         server.join(timeout=10)

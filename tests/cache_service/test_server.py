@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from cache_service import protocol
 from cache_service.events import Namespace
+from cache_service.index import OwnerError
+from cache_service.messages import GetStats, StatsReply
 from cache_service.server import CurveKeys, ServerConfig, make_server
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.page_pool import PagePool
@@ -23,13 +25,23 @@ NS = Namespace("m", salt="t1")
 P = 4
 
 
+class FakeClock:
+    """The server's clock, moved by hand: liveness without real sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
 def server():
     srv = make_server(ServerConfig(page_tokens=P, liveness_timeout_s=30.0))
     srv.start()
     yield srv
+    srv.check_integrity()
     srv.stop()
-    srv.index.check_integrity()
 
 
 def _client(srv, **kw) -> ServiceClient:
@@ -103,7 +115,8 @@ def test_duplicate_batch_is_idempotent(server):
     first = client.publish_events("a", pub.epoch, pub.seq + 1, events)
     again = client.publish_events("a", pub.epoch, pub.seq + 1, events)
     assert (first.applied, again.applied, again.reason) == (True, False, "duplicate")
-    assert server.index.num_pages == 2
+    assert first.last_seq == again.last_seq == pub.seq + 1
+    assert server.stats()["pages"] == 2
 
 
 def test_heartbeat_of_unknown_worker_is_an_error_reply(server):
@@ -112,10 +125,9 @@ def test_heartbeat_of_unknown_worker_is_an_error_reply(server):
     assert info.value.code == "unknown_worker"
 
 
-def test_silent_worker_expires(server):
-    fast = make_server(
-        ServerConfig(page_tokens=P, liveness_timeout_s=0.3, housekeeping_interval_s=0.05)
-    )
+def test_silent_worker_expires():
+    clock = FakeClock()
+    fast = make_server(ServerConfig(page_tokens=P, liveness_timeout_s=0.3), clock=clock)
     fast.start()
     try:
         cache, pub = _worker(fast, "a")
@@ -123,13 +135,73 @@ def test_silent_worker_expires(server):
         assert pub.sync()
         client = _client(fast)
         assert client.match(NS, list(range(9)))[0] == 8
-        time.sleep(0.6)
+        clock.now += 0.3  # exactly the timeout: still alive
+        assert fast.run_housekeeping() == []
+        clock.now += 0.01
+        assert fast.run_housekeeping() == ["a"]
         assert client.match(NS, list(range(9)))[0] == 0
+        assert fast.stats()["removed_workers"] == {"expired": 1}
         assert pub.heartbeat()  # comes back: registers again and resyncs
         assert client.match(NS, list(range(9)))[0] == 8
     finally:
+        fast.check_integrity()
         fast.stop()
-        fast.index.check_integrity()
+
+
+def test_heartbeats_keep_a_worker_alive():
+    clock = FakeClock()
+    srv = make_server(ServerConfig(page_tokens=P, liveness_timeout_s=1.0), clock=clock)
+    srv.start()
+    try:
+        cache, pub = _worker(srv, "a")
+        for _ in range(5):  # 5 s in all, never 1 s without a heartbeat
+            clock.now += 0.9
+            assert pub.heartbeat()
+            assert srv.run_housekeeping() == []
+        assert srv.stats()["workers_live"] == 1
+        assert pub.resyncs == 1  # registered once: nothing was lost
+    finally:
+        srv.stop()
+
+
+def test_the_index_is_reached_only_through_the_loop(server):
+    cache, pub = _worker(server, "a")
+    _serve(cache, list(range(9)))
+    assert pub.sync()
+    with pytest.raises(OwnerError, match="owned by thread 'kvmesh-service'"):
+        server.index.stats()  # the test's thread may not touch it while the loop runs
+    with pytest.raises(OwnerError):
+        server.index.match(NS, list(range(9)))
+    stats = server.stats()  # through the loop
+    assert stats["pages"] == 2 and stats["service"]["address"] == server.address
+    server.check_integrity()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(server.stats())) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert [r["pages"] for r in results] == [2] * 8
+    server.stop()
+    assert server.index.num_pages == 2  # stopped: the index is the caller's again
+    assert server.stats()["pages"] == 2
+
+
+def test_a_failing_call_in_the_loop_raises_in_the_caller(server):
+    def corrupt_and_check() -> None:
+        pages = server.index._registry.workers["a"].pages  # on the loop thread, on purpose
+        node = pages.pop(0)
+        try:
+            server.index.check_integrity()
+        finally:
+            pages.set(0, node)
+
+    cache, pub = _worker(server, "a")
+    _serve(cache, list(range(9)))
+    assert pub.sync()
+    with pytest.raises(AssertionError, match="2 holders on nodes, 1 in reverse maps"):
+        server._in_loop(corrupt_and_check)
+    assert "cluster" in _client(server).stats()  # the loop keeps serving
 
 
 def test_restarted_service_gets_holdings_back_from_workers():
@@ -143,13 +215,13 @@ def test_restarted_service_gets_holdings_back_from_workers():
     restarted = make_server(ServerConfig(page_tokens=P, port=port))
     restarted.start()
     try:
-        assert restarted.index.num_pages == 0
+        assert restarted.stats()["pages"] == 0
         assert pub.heartbeat()  # new epoch -> register + resync
-        assert restarted.index.num_pages == 2
+        assert restarted.stats()["pages"] == 2
         assert _client(restarted).match(NS, list(range(9)))[0] == 8
     finally:
+        restarted.check_integrity()
         restarted.stop()
-        restarted.index.check_integrity()
 
 
 def test_no_service_raises_unavailable_quickly():
@@ -181,7 +253,7 @@ def test_late_reply_to_an_earlier_try_is_dropped():
             seen.append(request.request_id)
         # the first try's reply comes only now, before the retry's
         for request_id, epoch in ((seen[0], 111), (seen[1], 222)):
-            msg = protocol.Message(protocol.OK, request_id, {"stats": {"e": epoch}}, "stats")
+            msg = protocol.Message(protocol.OK, request_id, StatsReply({"e": epoch}), "stats")
             router.send_multipart([identity, protocol.encode(msg)])
 
     thread = threading.Thread(target=slow_server, daemon=True)
@@ -234,19 +306,19 @@ def test_curve_allow_list_admits_only_listed_clients():
         srv.stop()
 
 
-def test_server_refuses_to_bind_every_interface():
-    for host in ("*", "0.0.0.0", "::"):
-        with pytest.raises(ValueError, match="every interface"):
-            ServerConfig(host=host)
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "::", "[::]", "", "0", "0.0.0.00"])
+def test_server_refuses_to_bind_every_interface(host):
+    with pytest.raises(ValueError, match="every interface"):
+        ServerConfig(host=host)
 
 
 # ---------------------------------------------------------------- malformed frames
 
 
 def _frames():
-    valid = protocol.encode(protocol.Message(protocol.STATS, 5, {}))
+    valid = protocol.encode(protocol.request(5, GetStats()))
     envelope = {
-        "v": 1,
+        "v": protocol.PROTOCOL_VERSION,
         "t": "match",
         "id": 9,
         "b": {"namespace": ["m", "", ""], "tokens": b"\x00" * 8, "requester": None},
@@ -257,7 +329,7 @@ def _frames():
         st.just([valid, valid]),  # an extra frame
         st.just([]),  # no payload at all
         st.just([msgpack.packb({**envelope, "t": "nope"})]),
-        st.just([msgpack.packb({**envelope, "v": 2})]),
+        st.just([msgpack.packb({**envelope, "v": protocol.PROTOCOL_VERSION + 1})]),
         st.just([msgpack.packb({**envelope, "b": {**envelope["b"], "tokens": b"\x00" * 7}})]),
         st.just([msgpack.packb({**envelope, "b": {**envelope["b"], "extra": 1}})]),
         st.just([msgpack.packb({**envelope, "b": {**envelope["b"], "namespace": True}})]),
@@ -303,9 +375,9 @@ def test_malformed_frames_get_error_replies_and_service_keeps_serving(shared_ser
         # the last frame is the reply (a leading empty frame is echoed as a delimiter)
         reply = protocol.decode(socket.recv_multipart()[-1], "reply")
         assert reply.type == protocol.ERROR
-        assert reply.body["code"] in (*protocol.ERROR_CODES,)
+        assert reply.body.code in protocol.ERROR_CODES
         assert shared_server.errors == errors_before + 1
-        good = protocol.encode(protocol.Message(protocol.STATS, 77, {}))
+        good = protocol.encode(protocol.request(77, GetStats()))
         socket.send(good)
         ok = protocol.decode(socket.recv(), "reply")
         assert (ok.type, ok.request_id) == (protocol.OK, 77)

@@ -10,12 +10,9 @@ once. Tenants never share pages.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 import cluster
 from cluster.config import config_from_dict
@@ -26,10 +23,7 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    sim = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    sim.add_node(num_cpus=2)
-    sim.wait_for_nodes()
+def mesh(ray_cluster):
     cfg = config_from_dict(
         {
             "cache": {"page_tokens": 16},
@@ -37,14 +31,10 @@ def mesh():
             "workers": {"count": 3, "threads": 1},
         }
     )
-    mesh = cluster.connect(cfg, address=sim.address)
+    mesh = cluster.connect(cfg, address=ray_cluster.address)
     yield mesh
     mesh.check_integrity()
-    mesh.shutdown()
-    ray.shutdown()
-    sim.shutdown()
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-")]
-    assert leftovers == [], leftovers
+    mesh.shutdown()  # conftest checks that no segment, thread or actor is left behind
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ KV and reference greedy decoding computed without any paging."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -13,11 +12,10 @@ from transformers import DynamicCache
 
 from cache_service.events import Namespace
 from workers.model_runner import ModelRunner, PrefillResult, store_layout_for
-from workers.page_store import SHM_DIR, SharedPageStore
+from workers.page_store import SharedPageStore
 from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
 
 NS = Namespace("tiny-llama")
-OWN_SEGMENTS = f"kvmesh-{os.getpid()}-"
 
 
 class Rig(NamedTuple):
@@ -30,24 +28,18 @@ class Rig(NamedTuple):
         self.store.check_integrity()
 
 
-def own_segments() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(OWN_SEGMENTS)}
-
-
 @contextmanager
 def make_rig(
     model, num_pages: int = 48, page_tokens: int = 4, tag: str = "runner"
 ) -> Iterator[Rig]:
     """A runner over a fresh store whose layout fits `model`, and a prefix cache over it.
     The store is closed (its segment unlinked) on exit."""
-    before = own_segments()
     store = SharedPageStore.create(store_layout_for(model, num_pages, page_tokens), tag=tag)
     try:
         cache = PrefixCache(store, PrefixCacheConfig(page_tokens=page_tokens))
         yield Rig(ModelRunner(model, store), cache, store)
     finally:
         store.close()
-    assert own_segments() == before, f"segments left in {SHM_DIR}: {own_segments() - before}"
 
 
 def make_prompt(n: int, seed: int = 0, low: int = 0, high: int = 200) -> list[int]:

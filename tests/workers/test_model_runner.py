@@ -21,7 +21,6 @@ from tests.workers.model_fixtures import (
     make_prompt,
     make_rig,
     max_diff,
-    own_segments,
     reference_greedy,
     reference_kv,
 )
@@ -45,13 +44,6 @@ FILLER = make_prompt(8, seed=99, low=200, high=256)  # never equal to a prompt t
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama(seed=0)
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    before = own_segments()
-    yield
-    assert own_segments() == before, "a test left a page store segment in /dev/shm"
 
 
 def donor_for(prompt: list[int], shared: int) -> list[int]:

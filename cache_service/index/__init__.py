@@ -1,0 +1,45 @@
+"""The global prefix index: which full pages of which prompts are cached on which worker.
+
+The service holds metadata only, never KV bytes. Workers stream `PagesStored` /
+`PagesRemoved` / `AllCleared` events (see `cache_service.events`); the index turns them
+into one page-granular trie per `Namespace` and answers, for a prompt, the longest prefix
+of full pages that some live worker holds, as one span per holder:
+
+    prompt tokens    |<- page 0 ->|<- page 1 ->|<- page 2 ->|<- page 3 ->|<-partial->|
+    w2 holds         |  page 3    |  page 4    |  page 8    |            |
+    w1 holds         |  page 10   |  page 11   |            |            |
+    match            |<------------ matched_tokens -------->|
+    requester w1     |<-- local hit ---------->|<- remote ->|<-- miss -->|<- lost -->|
+    spans            HolderSpan("w2", tier, (3, 4, 8), gens), HolderSpan("w1", tier, (10, 11), gens)
+
+The package, along the index's seams (`GlobalIndex` is the thin facade over them):
+
+- `keys`: chained prefix keys, one 64-bit key per page naming its whole prefix;
+- `key_table`: key -> node ids, open addressing in numpy arrays;
+- `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access);
+- `walk`: the match walk, by runs of consecutive node ids;
+- `holders`: who holds each node, in four inline columns and a side dict;
+- `chains`: storing and dropping workers' chains of pages;
+- `registry`: workers, slots, tiers, liveness, reverse page maps;
+- `tallies`: hit statistics per tenant and per requester;
+- `integrity`: every invariant, checked in full;
+- `global_index`: the facade (events, match, route, stats), owned by one thread.
+
+The index is plain Python and numpy: no Ray, ZMQ or torch.
+"""
+
+from cache_service.index.global_index import GlobalIndex, OwnerError
+from cache_service.index.registry import Registration, WorkerInfo
+from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
+
+__all__ = [
+    "ApplyResult",
+    "GlobalIndex",
+    "HolderSpan",
+    "MatchResult",
+    "OwnerError",
+    "PackedSpan",
+    "Registration",
+    "RouteDecision",
+    "WorkerInfo",
+]

@@ -1,0 +1,519 @@
+"""`GlobalIndex`: the facade over the index's parts (events, match, route, stats).
+
+One thread owns an index: the one that made it, until it hands it off (`hand_off`); the
+next thread to call it then owns it. The service's server hands its index to its loop
+thread at start, and the loop hands it back when it stops, so while the service runs
+every call from another thread (a Ray actor method, a metrics exporter, a test) is
+refused with `OwnerError` instead of racing the loop: such callers go through the loop
+(`ServiceServer.stats`, `ServiceServer.check_integrity`). Nothing in here locks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cache_service.events import KvEvent, Namespace, PagesRemoved, PagesStored
+from cache_service.index.chains import Chains, check_event
+from cache_service.index.holders import Holders
+from cache_service.index.integrity import check_integrity
+from cache_service.index.keys import PrefixKeys
+from cache_service.index.nodes import NONE, Nodes
+from cache_service.index.registry import Registration, Registry, Worker, WorkerInfo
+from cache_service.index.tallies import Counters, Tallies
+from cache_service.index.walk import walk
+from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
+from cache_service.tokens import TokenInput, as_packed
+
+_new_tuple = tuple.__new__
+_get_ident = threading.get_ident
+
+
+class OwnerError(RuntimeError):
+    """A GlobalIndex was called from a thread other than the one that owns it."""
+
+
+class GlobalIndex:
+    """Cluster-wide prefix index: page-granular tries of token pages and their holders.
+
+    Args:
+        page_tokens: tokens per page, the same on every worker.
+        liveness_timeout_s: a worker silent (no register/heartbeat) for longer than this
+            is dropped by `expire`.
+        load_weight: lambda in the routing score (see `route`).
+
+    Raises:
+        ValueError: a non-positive page_tokens or timeout, or a negative load_weight.
+    """
+
+    def __init__(
+        self, page_tokens: int = 16, liveness_timeout_s: float = 10.0, load_weight: float = 0.5
+    ):
+        if page_tokens <= 0:
+            raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+        if not liveness_timeout_s > 0:
+            raise ValueError(f"liveness_timeout_s must be positive, got {liveness_timeout_s}")
+        if not load_weight >= 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.page_tokens = page_tokens
+        self.liveness_timeout_s = liveness_timeout_s
+        self.load_weight = load_weight
+        self._owner: int | None = _get_ident()
+        self._owner_name = threading.current_thread().name
+        self._keys = PrefixKeys(page_tokens)
+        self._holders = Holders()
+        self._nodes = Nodes(page_tokens, self._keys, self._holders.grow)
+        self._nodes.grow(64)
+        self._chains = Chains(self._nodes, self._holders)
+        self._registry = Registry()
+        self._tallies = Tallies(page_tokens)
+        self._clock = 0  # logical: one tick per event batch, resync and match
+        self._events = {"batches": 0, "duplicates": 0, "resyncs_requested": 0, "resyncs": 0}
+
+    # ---- the owner thread ----------------------------------------------------------------
+
+    def hand_off(self) -> None:
+        """Give up ownership: the next thread to call the index owns it.
+
+        Raises:
+            OwnerError: another thread owns the index.
+        """
+        self._own()
+        self._owner = None
+
+    def _own(self) -> None:
+        ident = _get_ident()
+        if ident == self._owner:
+            return
+        if self._owner is not None:
+            raise OwnerError(
+                f"the index is owned by thread {self._owner_name!r}; "
+                f"{threading.current_thread().name!r} may not call it (go through its owner)"
+            )
+        self._owner, self._owner_name = ident, threading.current_thread().name
+
+    # ---- workers -------------------------------------------------------------------------
+
+    def register(
+        self,
+        worker_id: str,
+        epoch: int,
+        node_id: str,
+        tier: str = "cpu",
+        now: float | None = None,
+    ) -> Registration:
+        """Register a worker (or a new incarnation of one) and mark it alive.
+
+        A new epoch drops everything the old epoch held and restarts its sequence numbers;
+        the same epoch again (a retried registration) keeps its holdings and seq.
+
+        Args:
+            worker_id: the worker's name, unique in the cluster.
+            epoch: the incarnation, increasing on every worker restart.
+            node_id: the cluster node the worker runs on.
+            tier: the memory tier its pages live in (reported on its spans).
+            now: the current time in seconds (default: time.monotonic()).
+
+        Returns:
+            A Registration; the next event batch carries seq `last_seq + 1`.
+
+        Raises:
+            ValueError: epoch older than the registered one, more than 256 tiers, or more
+                than 32,767 workers registered at once.
+        """
+        self._own()
+        now = time.monotonic() if now is None else now
+        tier_code = self._registry.tier_code(tier)
+        worker = self._registry.get(worker_id)
+        dropped = 0
+        if worker is None:
+            worker = self._registry.add(worker_id, epoch, node_id, tier_code)
+        elif epoch < worker.epoch:
+            raise ValueError(
+                f"worker {worker_id!r}: epoch {epoch} is older than the registered {worker.epoch}"
+            )
+        elif epoch > worker.epoch:
+            dropped = self._chains.drop_all(worker)
+            worker.epoch, worker.last_seq, worker.desynced = epoch, 0, False
+        worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
+        return Registration(worker_id, epoch, worker.last_seq, dropped)
+
+    def heartbeat(self, worker_id: str, epoch: int, now: float | None = None) -> bool:
+        """Mark a worker alive.
+
+        Args:
+            worker_id: the worker.
+            epoch: its incarnation.
+            now: the current time in seconds (default: time.monotonic()).
+
+        Returns:
+            False when the worker is unknown (expired or never registered) or the epoch is
+            not the registered one: the worker must register again.
+        """
+        self._own()
+        worker = self._registry.get(worker_id)
+        if worker is None or worker.epoch != epoch:
+            return False
+        worker.last_seen = time.monotonic() if now is None else now
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Remove every worker silent for longer than `liveness_timeout_s`.
+
+        Args:
+            now: the current time in seconds (default: time.monotonic()).
+
+        Returns:
+            The removed worker ids, sorted.
+        """
+        self._own()
+        now = time.monotonic() if now is None else now
+        silent = self._registry.silent(now, self.liveness_timeout_s)
+        for worker_id in silent:
+            self.remove_worker(worker_id, "expired")
+        return silent
+
+    def remove_worker(self, worker_id: str, reason: str) -> int:
+        """Forget a worker (dead, drained) and all its holdings at once.
+
+        Args:
+            worker_id: the worker; an unknown one is a no-op.
+            reason: why, counted in `stats()["removed_workers"]`.
+
+        Returns:
+            The number of holdings dropped.
+        """
+        self._own()
+        worker = self._registry.get(worker_id)
+        if worker is None:
+            return 0
+        dropped = self._chains.drop_all(worker)
+        self._registry.remove(worker_id, reason)
+        return dropped
+
+    def live_workers(self) -> list[str]:
+        """The registered (live) worker ids, sorted."""
+        self._own()
+        return sorted(self._registry.workers)
+
+    def worker_info(self, worker_id: str) -> WorkerInfo | None:
+        """A live worker's registration and state; None when it is not registered."""
+        self._own()
+        worker = self._registry.get(worker_id)
+        return None if worker is None else self._registry.info(worker)
+
+    # ---- events --------------------------------------------------------------------------
+
+    def apply_events(
+        self, worker_id: str, epoch: int, seq: int, events: Sequence[KvEvent]
+    ) -> ApplyResult:
+        """Apply one batch of a worker's events, in order.
+
+        Batches are numbered per worker from 1 after registration (or from a resync's seq
+        + 1). A batch equal to or older than the last applied is ignored; a gap, an unknown
+        worker or epoch, or an event that cannot be placed asks for a resync, and further
+        batches are refused until it comes. Each event is idempotent on its own: storing a
+        page already held (same node, same page id) only refreshes its generation, and
+        removing an unknown page does nothing.
+
+        Args:
+            worker_id: the sender.
+            epoch: its incarnation, as registered.
+            seq: the batch's sequence number.
+            events: PagesStored / PagesRemoved / AllCleared, in the order they happened.
+
+        Returns:
+            An ApplyResult; see its docstring for the reasons.
+
+        Raises:
+            ValueError: a malformed event (lengths, token range, page ids, removal reason);
+                nothing is applied then.
+        """
+        self._own()
+        self._events["batches"] += 1
+        worker = self._registry.get(worker_id)
+        refusal = self._refusal(worker, epoch)
+        if refusal is not None:
+            return refusal
+        assert worker is not None
+        if worker.desynced:
+            return ApplyResult(False, True, "awaiting_resync", worker.last_seq)
+        if seq <= worker.last_seq:
+            self._events["duplicates"] += 1
+            reason = "duplicate" if seq == worker.last_seq else "stale"
+            return ApplyResult(False, False, reason, worker.last_seq)
+        if seq > worker.last_seq + 1:
+            return self._desync(worker, "gap")
+        packed = [check_event(event, self.page_tokens) for event in events]
+        self._clock += 1
+        for event, data in zip(events, packed, strict=True):
+            if isinstance(event, PagesStored):
+                failure = self._chains.store(worker, event, data, self._clock)
+                if failure is not None:
+                    return self._desync(worker, failure)
+            elif isinstance(event, PagesRemoved):
+                self._chains.drop_pages(worker, event.page_ids)
+            else:
+                self._chains.drop_all(worker)
+        worker.last_seq = seq
+        return ApplyResult(True, False, "applied", seq)
+
+    def resync(
+        self, worker_id: str, epoch: int, seq: int, chains: Sequence[PagesStored]
+    ) -> ApplyResult:
+        """Replace all of a worker's holdings with a full snapshot of its shareable pages.
+
+        Args:
+            worker_id: the sender.
+            epoch: its incarnation, as registered.
+            seq: the seq of the last batch the snapshot includes; the next batch is seq + 1.
+            chains: every shareable page, parents before children; each chain's parent is
+                None or a page of an earlier chain.
+
+        Returns:
+            ApplyResult(True, False, "resynced", seq), or a refusal for an unknown worker
+            or epoch (register first).
+
+        Raises:
+            ValueError: a malformed chain, a parent page not stored earlier in the
+                snapshot, or a page id listed twice; nothing changes then.
+        """
+        self._own()
+        worker = self._registry.get(worker_id)
+        refusal = self._refusal(worker, epoch)
+        if refusal is not None:
+            return refusal
+        assert worker is not None
+        packed = []
+        seen: set[int] = set()
+        for i, chain in enumerate(chains):
+            if not isinstance(chain, PagesStored):
+                raise ValueError(f"resync chain {i} is a {type(chain).__name__}, not PagesStored")
+            packed.append(check_event(chain, self.page_tokens))
+            if chain.parent_page is not None and chain.parent_page not in seen:
+                raise ValueError(
+                    f"resync chain {i}: parent page {chain.parent_page} is not stored earlier"
+                )
+            repeated = seen.intersection(chain.page_ids)
+            if repeated:
+                raise ValueError(f"resync chain {i}: pages {sorted(repeated)} listed twice")
+            seen.update(chain.page_ids)
+        self._clock += 1
+        self._chains.drop_all(worker)
+        for chain, data in zip(chains, packed, strict=True):
+            failure = self._chains.store(worker, chain, data, self._clock)
+            assert failure is None, f"validated resync chain failed: {failure}"
+        worker.last_seq, worker.desynced = seq, False
+        self._events["resyncs"] += 1
+        return ApplyResult(True, False, "resynced", seq)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def match(
+        self, namespace: Namespace, tokens: TokenInput, requester: str | None = None
+    ) -> MatchResult:
+        """The longest prefix of full pages cached by any live worker, as one span per holder.
+
+        Counts the query in the statistics (cluster, tenant = namespace.salt, requester)
+        and refreshes the last access of the matched pages.
+
+        Args:
+            namespace: the prompt's namespace; nothing is shared across namespaces.
+            tokens: the prompt, as little-endian int32 bytes or a sequence of ints.
+            requester: the asking worker: pages it holds itself count as local hits.
+
+        Returns:
+            A MatchResult of HolderSpans; its spans name live workers only.
+
+        Raises:
+            TypeError: namespace is not a Namespace.
+            ValueError: tokens not int32 (or bytes not a multiple of 4 long).
+        """
+        return _new_tuple(MatchResult, self._match(namespace, tokens, requester, False))
+
+    def match_packed(
+        self, namespace: Namespace, tokens: TokenInput, requester: str | None = None
+    ) -> MatchResult:
+        """`match`, with each span a PackedSpan: page ids and generations as the wire bytes.
+
+        For a server that only forwards the spans. Same arguments, statistics and errors as
+        `match`.
+        """
+        return _new_tuple(MatchResult, self._match(namespace, tokens, requester, True))
+
+    def _match(
+        self, namespace: Namespace, tokens: TokenInput, requester: str | None, packed: bool
+    ) -> tuple[int, tuple]:
+        self._own()
+        data = _checked(namespace, tokens)
+        nodes = self._nodes
+        path = walk(nodes, nodes.roots.get(namespace), data)
+        self._clock += 1
+        spans: tuple = ()
+        local = 0
+        if path.length:
+            start, length, on_path = path
+            if on_path is None:
+                nodes.last_access_arr[start : start + length].fill(self._clock)
+            else:
+                nodes.last_access_arr.put(on_path, self._clock)
+            holdings = self._holders.holdings(path)
+            asking = self._registry.get(requester)
+            requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
+            slots, tiers = self._registry.slots, self._registry.tiers
+            built = []
+            for holding in holdings:
+                slot, held, _ = holding
+                if slot == requester_slot:
+                    local = held
+                worker = slots[slot]
+                assert worker is not None, f"a holding of dead slot {slot}"
+                built.append(
+                    self._holders.span(path, holding, worker.worker_id, tiers[worker.tier], packed)
+                )
+            if len(built) > 1:
+                built.sort(key=_span_order)  # packed lengths are 4x, in the same order
+            spans = tuple(built)
+        matched = path.length * self.page_tokens
+        self._tallies.record(
+            namespace.salt, requester, len(data) // 4, matched, local * self.page_tokens
+        )
+        return matched, spans
+
+    def route(
+        self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
+    ) -> RouteDecision:
+        """Choose the live worker that should take a prompt, weighing cache against load.
+
+        For each live candidate w (a key of `loads` that is registered):
+
+            score(w) = held(w) - load_weight * load(w) * prompt_tokens
+
+        held(w) is the number of prompt tokens w holds itself as a contiguous prefix from
+        the start of the prompt: what it reuses without copying anything in. The load
+        term is in the same unit: with load as a utilisation (0 idle .. 1 saturated), a
+        saturated worker must hold `load_weight` of the prompt more than an idle one to
+        win it. Pages held only elsewhere do not count: any chosen worker can copy those.
+        Ties go to the least loaded, then to the smallest worker id, so the choice is
+        deterministic. With nothing cached anywhere the score is load alone, which makes
+        the least loaded worker the fallback ("least_loaded").
+
+        Routing is a read: no statistics are counted and no access time changes (the
+        chosen worker's own `match` counts the query).
+
+        Args:
+            namespace: the prompt's namespace.
+            tokens: the prompt, as little-endian int32 bytes or a sequence of ints.
+            loads: worker id -> current load (>= 0); unregistered ids are ignored.
+
+        Returns:
+            A RouteDecision; worker_id None ("no_live_worker") when no candidate is live.
+
+        Raises:
+            TypeError: namespace is not a Namespace.
+            ValueError: tokens not int32, or a load negative or not finite.
+        """
+        self._own()
+        data = _checked(namespace, tokens)
+        candidates: dict[int, tuple[str, float]] = {}
+        for worker_id, load in loads.items():
+            if not (math.isfinite(load) and load >= 0):
+                raise ValueError(f"load of worker {worker_id!r} must be finite and >= 0: {load}")
+            worker = self._registry.get(worker_id)
+            if worker is not None:
+                candidates[worker.slot] = (worker_id, float(load))
+        if not candidates:
+            return RouteDecision(None, 0, 0.0, "no_live_worker")
+        path = walk(self._nodes, self._nodes.roots.get(namespace), data)
+        held = (
+            {slot: pages for slot, pages, _ in self._holders.holdings(path)} if path.length else {}
+        )
+        prompt_tokens = len(data) // 4
+
+        def rank(slot: int) -> tuple[float, float, str]:
+            worker_id, load = candidates[slot]
+            score = held.get(slot, 0) * self.page_tokens - self.load_weight * load * prompt_tokens
+            return (-score, load, worker_id)
+
+        best = min(candidates, key=rank)
+        worker_id, load = candidates[best]
+        matched = held.get(best, 0) * self.page_tokens
+        score = matched - self.load_weight * load * prompt_tokens
+        return RouteDecision(worker_id, matched, score, "prefix" if matched else "least_loaded")
+
+    # ---- statistics and checks -----------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        """Pages (non-root nodes) in the index."""
+        self._own()
+        return self._nodes.num_pages
+
+    def stats(self) -> dict[str, Any]:
+        """Hit statistics and sizes as a plain dict (msgpack-friendly).
+
+        Returns:
+            {"page_tokens", "pages", "holdings", "workers_live",
+             "cluster": counters, "tenants": {salt: counters},
+             "workers": {worker id: counters + "pages" held + "live"},
+             "events": {"batches", "duplicates", "resyncs_requested", "resyncs"},
+             "removed_workers": {reason: count}}
+            where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
+            remote_hit_tokens, miss_tokens, alignment_lost_tokens.
+        """
+        self._own()
+        cluster, tenants, requesters = self._tallies.summary()
+        live = self._registry.workers
+        workers: dict[str, dict] = {}
+        for worker_id in sorted(set(requesters) | set(live)):
+            counters = requesters.get(worker_id) or Counters()
+            worker = live.get(worker_id)
+            workers[worker_id] = counters.as_dict() | {
+                "pages": worker.pages.size if worker else 0,
+                "live": worker is not None,
+            }
+        return {
+            "page_tokens": self.page_tokens,
+            "pages": self._nodes.num_pages,
+            "holdings": self._registry.holdings(),
+            "workers_live": len(live),
+            "cluster": cluster.as_dict(),
+            "tenants": {salt: c.as_dict() for salt, c in sorted(tenants.items())},
+            "workers": workers,
+            "events": dict(self._events),
+            "removed_workers": dict(self._registry.removed),
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
+        self._own()
+        check_integrity(self._nodes, self._holders, self._registry)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _refusal(self, worker: Worker | None, epoch: int) -> ApplyResult | None:
+        if worker is None:
+            self._events["resyncs_requested"] += 1
+            return ApplyResult(False, True, "unknown_worker", 0)
+        if epoch != worker.epoch:
+            self._events["resyncs_requested"] += 1
+            return ApplyResult(False, True, "epoch_mismatch", worker.last_seq)
+        return None
+
+    def _desync(self, worker: Worker, reason: str) -> ApplyResult:
+        worker.desynced = True
+        self._events["resyncs_requested"] += 1
+        return ApplyResult(False, True, reason, worker.last_seq)
+
+
+def _checked(namespace: Namespace, tokens: TokenInput) -> bytes:
+    if not isinstance(namespace, Namespace):
+        raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+    return as_packed(tokens)
+
+
+def _span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
+    return (-len(span.page_ids), span.worker_id)

@@ -1,0 +1,192 @@
+"""Who holds each node: four inline holder columns per node and a side dict for more.
+
+A holding is (worker slot, the worker's page id, the page's generation). A worker keeps
+one column along its whole path: the column of a page's holding is the column of its
+parent's holding, and only a first page picks a free column. Two workers never compete for
+a column (the one already there would hold the parent in that column too), so along a
+prompt column c belongs to one worker, and a span is a slice (or gather) of column c over
+the matched nodes. Each worker's holdings are prefix-closed (it holds a page only with its
+parent), so along one prompt every holder holds a leading run of the matched pages.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from cache_service.index.nodes import NONE, grown
+from cache_service.index.walk import Path
+from cache_service.messages import HolderSpan, PackedSpan
+
+# Inline holder columns per node. Four covers a page shared by a handful of workers
+# without touching the side dict; each column costs 14 bytes a node.
+INLINE_HOLDERS = 4
+EXTRA = INLINE_HOLDERS  # the "column" of a holding kept in the side dict
+_new_tuple = tuple.__new__
+
+
+class Holders:
+    """The holder columns of every node, grown with the node columns (`grow`)."""
+
+    def __init__(self) -> None:
+        self.count_arr = np.zeros(0, np.int16)  # inline + side-dict holders of each node
+        # (nodes, columns), so the spans of one path share cache lines.
+        self.slot_arr = np.zeros((0, INLINE_HOLDERS), np.int16)  # NONE: empty
+        self.page_arr = np.zeros((0, INLINE_HOLDERS), np.int32)
+        self.generation_arr = np.zeros((0, INLINE_HOLDERS), np.int64)
+        # Holders beyond the inline columns: node -> [(slot, page, generation)].
+        self.extra: dict[int, list[tuple[int, int, int]]] = {}
+
+    def grow(self, capacity: int) -> None:
+        """Extend the columns to `capacity` nodes and rebind the views."""
+        self.count_arr = grown(self.count_arr, capacity, 0)
+        self.slot_arr = grown(self.slot_arr, capacity, NONE)
+        self.page_arr = grown(self.page_arr, capacity, 0)
+        self.generation_arr = grown(self.generation_arr, capacity, 0)
+        self.count = memoryview(self.count_arr)
+        # One strided view (and memoryview) per holder column.
+        self.slot_cols = list(self.slot_arr.T)
+        self.page_cols = list(self.page_arr.T)
+        self.generation_cols = list(self.generation_arr.T)
+        self.slot = [memoryview(column) for column in self.slot_cols]
+        self.page = [memoryview(column) for column in self.page_cols]
+        self.generation = [memoryview(column) for column in self.generation_cols]
+
+    def column_of(self, node: int, slot: int) -> int | None:
+        """The column of the worker's holding on `node` (EXTRA: the side dict); None: none."""
+        if self.count[node] == 0:
+            return None
+        for column, slots in enumerate(self.slot):
+            if slots[node] == slot:
+                return column
+        for held_by, _, _ in self.extra.get(node, ()):
+            if held_by == slot:
+                return EXTRA
+        return None
+
+    def held_page(self, node: int, slot: int) -> int | None:
+        """The worker's page id for `node`; None when it does not hold it."""
+        column = self.column_of(node, slot)
+        if column is None or column < EXTRA:
+            return None if column is None else self.page[column][node]
+        return next(page for held_by, page, _ in self.extra[node] if held_by == slot)
+
+    def add(
+        self, node: int, slot: int, page: int, generation: int, parent_column: int | None
+    ) -> tuple[int, int | None]:
+        """Record that the worker in `slot` holds `node` as `page`.
+
+        `parent_column` is the worker's column on the node's parent (None for a first
+        page): its column here too, and free here (see the module docstring).
+
+        Returns:
+            (the column it holds the node in, the page id it held the node as before, if
+            that was another one).
+        """
+        old_page = None
+        column = self.column_of(node, slot)
+        assert column is None or parent_column in (None, column), f"{column} != {parent_column}"
+        if column is None:
+            self.count[node] += 1
+            column = parent_column
+            if column is None:  # a first page: any free column will do
+                column = next(
+                    (c for c, slots in enumerate(self.slot) if slots[node] == NONE), EXTRA
+                )
+        elif column < EXTRA:
+            old_page = self.page[column][node]
+        if column < EXTRA:
+            assert self.slot[column][node] in (NONE, slot), f"column {column} taken"
+            self.slot[column][node] = slot
+            self.page[column][node] = page
+            self.generation[column][node] = generation
+        else:
+            extra = self.extra.setdefault(node, [])
+            for i, (held_by, held, _) in enumerate(extra):
+                if held_by == slot:
+                    old_page = held
+                    extra[i] = (slot, page, generation)
+                    break
+            else:
+                extra.append((slot, page, generation))
+        return column, (old_page if old_page != page else None)
+
+    def remove(self, node: int, slot: int) -> int:
+        """Take the worker's holding off a node; its page id."""
+        column = self.column_of(node, slot)
+        assert column is not None, f"slot {slot} holds nothing on node {node}"
+        self.count[node] -= 1
+        if column < EXTRA:
+            self.slot[column][node] = NONE
+            return self.page[column][node]
+        extra = self.extra[node]
+        i = next(i for i, holder in enumerate(extra) if holder[0] == slot)
+        page = extra.pop(i)[1]
+        if not extra:
+            del self.extra[node]
+        return page
+
+    def holdings(self, path: Path) -> list[tuple[int, int, int]]:
+        """(slot, pages held, column) of every holder of the first node of a path.
+
+        Each holder holds a leading run of the path (prefix closure) in one column
+        (column consistency), so column c along the path is its holder's run, then empty.
+        """
+        start, length, nodes = path
+        if nodes is None:
+            first, last = start, start + length - 1
+        else:
+            first, last = int(nodes[0]), int(nodes[-1])
+        holdings = []
+        for column, slots in enumerate(self.slot):
+            slot = slots[first]
+            if slot == NONE:
+                continue
+            if slots[last] == slot:
+                held = length
+            else:
+                held = int(np.count_nonzero(path.of(self.slot_cols[column]) == slot))
+            holdings.append((slot, held, column))
+        for slot, _, _ in self.extra.get(first, ()):
+            held = 1
+            while held < length and self.column_of(path.node(held), slot) == EXTRA:
+                held += 1
+            holdings.append((slot, held, EXTRA))
+        return holdings
+
+    def span(
+        self,
+        path: Path,
+        holding: tuple[int, int, int],
+        worker_id: str,
+        tier: str,
+        packed: bool,
+    ) -> HolderSpan | PackedSpan:
+        """The span of one holding of `path`, as ints (HolderSpan) or wire bytes (PackedSpan)."""
+        slot, held, column = holding
+        start, _, nodes = path
+        if column < EXTRA:
+            pages, generations = self.page_cols[column], self.generation_cols[column]
+            if nodes is None:  # a run of node ids: slices
+                pages, generations = pages[start : start + held], generations[start : start + held]
+            else:
+                nodes = nodes[:held]
+                pages, generations = pages[nodes], generations[nodes]
+            if packed:
+                page_ids = pages.astype("<i4", copy=False).tobytes()
+                generations = generations.astype("<i8", copy=False).tobytes()
+                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
+            page_ids, generations = tuple(pages.tolist()), tuple(generations.tolist())
+        else:
+            found = [
+                next(holder for holder in self.extra[path.node(i)] if holder[0] == slot)
+                for i in range(held)
+            ]
+            page_ids = tuple(holder[1] for holder in found)
+            generations = tuple(holder[2] for holder in found)
+            if packed:
+                page_ids = struct.pack(f"<{held}i", *page_ids)
+                generations = struct.pack(f"<{held}q", *generations)
+                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
+        return _new_tuple(HolderSpan, (worker_id, tier, page_ids, generations))

@@ -1,0 +1,197 @@
+"""The workers the index knows: registrations, slots, tiers, liveness, reverse page maps.
+
+Each live worker has a slot, its number in the holder columns (int16, so at most 32,767
+at once; a removed worker's slot is reused), and a page map from its own page ids to the
+nodes it holds them as, so its events name pages by the ids of its page store.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import NamedTuple
+
+from cache_service.index.nodes import NONE
+
+MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
+MAX_TIERS = 256
+# Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
+# is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
+_DENSE_PAGE_LIMIT = 1 << 22
+
+
+class Registration(NamedTuple):
+    """The outcome of `GlobalIndex.register`."""
+
+    worker_id: str
+    epoch: int
+    last_seq: int  # the next event batch must carry last_seq + 1
+    dropped_pages: int  # holdings of an older epoch that the registration dropped
+
+
+class WorkerInfo(NamedTuple):
+    """A live worker as the index sees it."""
+
+    worker_id: str
+    epoch: int
+    node_id: str
+    tier: str
+    last_seen: float
+    last_seq: int
+    pages: int  # pages it holds
+    needs_resync: bool
+
+
+class PageMap:
+    """One worker's page id -> node id map (the index's reverse map for that worker)."""
+
+    __slots__ = ("_dense", "_sparse", "size")
+
+    def __init__(self) -> None:
+        self._dense = array("i")  # page id -> node id, NONE where the page is unknown
+        self._sparse: dict[int, int] = {}  # page ids >= _DENSE_PAGE_LIMIT
+        self.size = 0
+
+    def get(self, page: int) -> int | None:
+        if page < _DENSE_PAGE_LIMIT:
+            if page < len(self._dense):
+                node = self._dense[page]
+                return None if node == NONE else node
+            return None
+        return self._sparse.get(page)
+
+    def set(self, page: int, node: int) -> None:
+        if page >= _DENSE_PAGE_LIMIT:
+            self.size += page not in self._sparse
+            self._sparse[page] = node
+            return
+        dense = self._dense
+        if page >= len(dense):
+            grown = min(max(page + 1, len(dense) + len(dense) // 2, 64), _DENSE_PAGE_LIMIT)
+            dense.extend(array("i", [NONE]) * (grown - len(dense)))
+        self.size += dense[page] == NONE
+        dense[page] = node
+
+    def pop(self, page: int) -> int | None:
+        node = self.get(page)
+        if node is not None:
+            self.size -= 1
+            if page < _DENSE_PAGE_LIMIT:
+                self._dense[page] = NONE
+            else:
+                del self._sparse[page]
+        return node
+
+    def items(self) -> list[tuple[int, int]]:
+        pairs = [(page, node) for page, node in enumerate(self._dense) if node != NONE]
+        return pairs + sorted(self._sparse.items())
+
+    def clear(self) -> None:
+        self._dense = array("i")
+        self._sparse = {}
+        self.size = 0
+
+
+class Worker:
+    """A registered worker's state in the index."""
+
+    __slots__ = (
+        "worker_id",
+        "slot",
+        "epoch",
+        "node_id",
+        "tier",
+        "last_seen",
+        "last_seq",
+        "desynced",
+        "pages",
+    )
+
+    def __init__(self, worker_id: str, slot: int, epoch: int, node_id: str, tier: int):
+        self.worker_id = worker_id
+        self.slot = slot  # the worker's number in the holder columns
+        self.epoch = epoch
+        self.node_id = node_id
+        self.tier = tier  # tier code of the pages it stores
+        self.last_seen = 0.0
+        self.last_seq = 0
+        self.desynced = False  # an event batch failed: refuse batches until a resync
+        self.pages = PageMap()
+
+
+class Registry:
+    """Workers by id and by slot, tier names by code, and the removal counts."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.slots: list[Worker | None] = []
+        self._free_slots: list[int] = []
+        self.tiers: list[str] = []
+        self._tier_codes: dict[str, int] = {}
+        self.removed: dict[str, int] = {}  # reason -> workers removed for it
+
+    def get(self, worker_id: str | None) -> Worker | None:
+        return None if worker_id is None else self.workers.get(worker_id)
+
+    def tier_code(self, tier: str) -> int:
+        """The code of `tier`, made on first use.
+
+        Raises:
+            ValueError: a 257th tier.
+        """
+        code = self._tier_codes.get(tier)
+        if code is None:
+            if len(self.tiers) == MAX_TIERS:
+                raise ValueError(f"more than {MAX_TIERS} tiers: cannot add {tier!r}")
+            code = self._tier_codes[tier] = len(self.tiers)
+            self.tiers.append(tier)
+        return code
+
+    def add(self, worker_id: str, epoch: int, node_id: str, tier: int) -> Worker:
+        """A new worker in a free slot.
+
+        Raises:
+            ValueError: every slot is taken.
+        """
+        slot = self._free_slots.pop() if self._free_slots else len(self.slots)
+        if slot >= MAX_SLOTS:
+            raise ValueError(f"cannot register {worker_id!r}: {MAX_SLOTS} workers live")
+        worker = Worker(worker_id, slot, epoch, node_id, tier)
+        if slot == len(self.slots):
+            self.slots.append(worker)
+        else:
+            self.slots[slot] = worker
+        self.workers[worker_id] = worker
+        return worker
+
+    def remove(self, worker_id: str, reason: str) -> Worker | None:
+        """Take a worker out (its holdings must be dropped first); None if unknown."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is not None:
+            self.slots[worker.slot] = None
+            self._free_slots.append(worker.slot)
+            self.removed[reason] = self.removed.get(reason, 0) + 1
+        return worker
+
+    def silent(self, now: float, timeout_s: float) -> list[str]:
+        """The workers not seen for longer than `timeout_s`, sorted."""
+        return sorted(
+            worker_id
+            for worker_id, worker in self.workers.items()
+            if now - worker.last_seen > timeout_s
+        )
+
+    def info(self, worker: Worker) -> WorkerInfo:
+        return WorkerInfo(
+            worker.worker_id,
+            worker.epoch,
+            worker.node_id,
+            self.tiers[worker.tier],
+            worker.last_seen,
+            worker.last_seq,
+            worker.pages.size,
+            worker.desynced,
+        )
+
+    def holdings(self) -> int:
+        """Pages held, summed over the live workers."""
+        return sum(worker.pages.size for worker in self.workers.values())

@@ -1,0 +1,195 @@
+"""The service's requests and replies as typed values, declared once.
+
+The worker's client builds these, the codec (`cache_service.protocol`) puts them on the
+wire and reads them back, the server hands their fields to the global index, and the
+index returns the reply values itself. Nothing between them is a hand-built dict: a
+field added here is added to every side at once (the codec's message table names each
+field's wire kind and checks at import that it covers every field).
+
+This module is below both the codec and the index and imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from cache_service.events import KvEvent, Namespace, PagesStored
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class Register(NamedTuple):
+    """A worker incarnation announces itself (again after a service restart)."""
+
+    worker_id: str
+    epoch: int  # the incarnation, increasing on every worker restart
+    node_id: str
+    tier: str  # the memory tier its pages live in, e.g. "cpu" or "gpu"
+    address: str  # its page server, for peers on other nodes; "" if none
+
+
+class Heartbeat(NamedTuple):
+    """A worker is alive, with its current load."""
+
+    worker_id: str
+    epoch: int
+    load: float
+
+
+class PublishEvents(NamedTuple):
+    """One numbered batch of a worker's KV events (see `cache_service.events`)."""
+
+    worker_id: str
+    epoch: int
+    seq: int  # batches are numbered per worker from 1 after registration
+    events: Sequence[KvEvent]
+
+
+class Resync(NamedTuple):
+    """A full snapshot of a worker's shareable pages, replacing what the index holds."""
+
+    worker_id: str
+    epoch: int
+    seq: int  # the seq of the last batch the snapshot includes
+    chains: Sequence[PagesStored]  # parents before children
+
+
+class Match(NamedTuple):
+    """Which prefix of a prompt is cached where."""
+
+    namespace: Namespace
+    tokens: Any  # packed int32 bytes (as decoded), or token ids to pack on encode
+    requester: str | None  # the asking worker: its own pages count as local hits
+
+
+class Route(NamedTuple):
+    """Which worker should take a prompt."""
+
+    namespace: Namespace
+    tokens: Any
+    loads: Mapping[str, float]  # worker id -> load (>= 0)
+
+
+class GetStats(NamedTuple):
+    """The service's statistics."""
+
+
+class Bye(NamedTuple):
+    """A worker leaves: its holdings are dropped at once."""
+
+    worker_id: str
+    epoch: int
+
+
+# ---- replies -------------------------------------------------------------------------------
+
+
+class EpochReply(NamedTuple):
+    """The answer to Register and Heartbeat: the service's current epoch."""
+
+    service_epoch: int  # a new one on every service start: re-register and resync on change
+
+
+class ApplyResult(NamedTuple):
+    """The outcome of a PublishEvents (or of the index's `resync`).
+
+    `reason` is one of: "applied", "resynced", "duplicate" (seq == last applied: ignored),
+    "stale" (seq < last applied: ignored), "gap" (a batch went missing), "unknown_worker"
+    (not registered, or removed: register again, then resync), "epoch_mismatch",
+    "unknown_parent" (a chain hangs under a page the index does not know), "page_conflict"
+    (a page id reported twice on one path), "awaiting_resync" (an earlier batch failed).
+    `last_seq` is the last seq the index applied for the worker (0 when unknown).
+    """
+
+    applied: bool
+    needs_resync: bool
+    reason: str
+    last_seq: int
+
+
+class ResyncReply(NamedTuple):
+    """The answer to Resync."""
+
+    pages: int  # pages of the worker now in the index
+
+
+class HolderSpan(NamedTuple):
+    """One worker's copy of the first pages of a match: where to fetch them, how to check.
+
+    The worker holds prompt pages 0 .. len(page_ids) - 1; `page_ids[i]` is prompt page i in
+    the worker's own page store, `generations[i]` its generation when it was published.
+    """
+
+    worker_id: str
+    tier: str  # the memory tier the worker registered
+    page_ids: tuple[int, ...]
+    generations: tuple[int, ...]  # same length as page_ids
+
+
+class PackedSpan(NamedTuple):
+    """A HolderSpan with its page ids and generations packed as on the wire: little-endian
+    int32 and int64 bytes. The server sends the index's bytes as they are, where a
+    HolderSpan's ints would be made and then packed again (about 4 us a 128-page span)."""
+
+    worker_id: str
+    tier: str
+    page_ids: bytes
+    generations: bytes
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix of full pages and who holds it (the answer to Match).
+
+    `spans` has one entry per live holder of at least page 0, longest first, then by
+    worker id; the longest covers all `matched_tokens` (page_tokens * its length). They
+    are HolderSpans as decoded and as `GlobalIndex.match` returns them, PackedSpans as
+    `GlobalIndex.match_packed` returns them for the server to send.
+    """
+
+    matched_tokens: int
+    spans: tuple[HolderSpan, ...] | tuple[PackedSpan, ...]
+
+
+class RouteDecision(NamedTuple):
+    """Which worker should take a prompt (the answer to Route); `worker_id` is None when no
+    candidate is live.
+
+    `reason` is "prefix" (the chosen worker holds a prefix of the prompt), "least_loaded"
+    (it holds none: the fallback) or "no_live_worker".
+    """
+
+    worker_id: str | None
+    matched_tokens: int  # tokens the chosen worker holds locally, as a contiguous prefix
+    score: float
+    reason: str
+
+
+class StatsReply(NamedTuple):
+    """The answer to GetStats: free-form figures (str keys; numbers, str, lists, maps)."""
+
+    stats: dict[str, Any]
+
+
+class ByeReply(NamedTuple):
+    """The answer to Bye."""
+
+
+class ErrorReply(NamedTuple):
+    """The answer to a request that failed: a code for programs, a message for people."""
+
+    code: str
+    message: str
+
+
+Request = Register | Heartbeat | PublishEvents | Resync | Match | Route | GetStats | Bye
+Reply = (
+    EpochReply
+    | ApplyResult
+    | ResyncReply
+    | MatchResult
+    | RouteDecision
+    | StatsReply
+    | ByeReply
+    | ErrorReply
+)

@@ -1,0 +1,187 @@
+"""KV events on the wire: compact tagged lists, decoded into `cache_service.events` values.
+
+    ["s", [model, adapter, salt], parent_page | None, page_ids, generations, tokens_bytes]
+    ["r", page_ids, reason]
+    ["c"]
+
+`PagesStored.tokens` is a tuple of ints once decoded (unpacked once through numpy), and
+`packed_tokens(event)` still returns the bytes off the wire without repacking.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cache_service.events import (
+    REMOVAL_REASONS,
+    AllCleared,
+    KvEvent,
+    PagesRemoved,
+    PagesStored,
+)
+from cache_service.protocol.errors import BAD_FIELD, DEFAULT_LIMITS, Limits, ProtocolError
+from cache_service.protocol.fields import (
+    bad,
+    check_counts,
+    check_list,
+    check_namespace,
+    check_page_id,
+    check_page_ids,
+    check_tokens,
+    describe,
+)
+from cache_service.tokens import pack_tokens, split_pages, token_tuple
+
+STORED_TAG = "s"
+REMOVED_TAG = "r"
+CLEARED_TAG = "c"
+_SHAPES = {STORED_TAG: 6, REMOVED_TAG: 3, CLEARED_TAG: 1}
+
+
+class _WirePagesStored(PagesStored):
+    """A PagesStored decoded off the wire; keeps its packed tokens for packed_tokens()."""
+
+    # No __slots__ on purpose: the instance dict holds `_packed`.
+
+    def __reduce__(self) -> tuple:
+        # Copied or shipped to another process (Ray), it is a plain PagesStored.
+        return (PagesStored, tuple(self))
+
+
+# It reads as a PagesStored in reprs and logs.
+_WirePagesStored.__name__ = "PagesStored"
+
+
+def packed_tokens(event: PagesStored) -> bytes:
+    """The tokens of a stored chain as packed int32 bytes.
+
+    An event decoded here returns the bytes it arrived in (no repacking); any other
+    PagesStored is packed now.
+
+    Raises:
+        ValueError: the tokens are not int32 ids.
+    """
+    packed = getattr(event, "_packed", None)
+    return packed if packed is not None else pack_tokens(event.tokens)
+
+
+def check_stored(event: PagesStored, page_tokens: int) -> None:
+    """Check what only the receiver can: the chain carries exactly `page_tokens` per page.
+
+    Raises:
+        ProtocolError: (bad_field) with the page and token counts.
+    """
+    expected = len(event.page_ids) * page_tokens
+    if len(event.tokens) != expected:
+        raise ProtocolError(
+            BAD_FIELD,
+            f"stored chain of {len(event.page_ids)} pages carries {len(event.tokens)} tokens; "
+            f"at {page_tokens} tokens a page it needs {expected}",
+        )
+
+
+def stored_pages(event: PagesStored, page_tokens: int) -> list[bytes]:
+    """`check_stored`, then the chain's pages as packed bytes, one per page id."""
+    check_stored(event, page_tokens)
+    return split_pages(packed_tokens(event), page_tokens)
+
+
+def encode_event(event: KvEvent) -> list:
+    """The compact wire form of one event (see the module docstring)."""
+    if isinstance(event, PagesStored):
+        try:
+            tokens = packed_tokens(event)
+        except ValueError as exc:
+            raise ProtocolError(BAD_FIELD, f"stored chain tokens: {exc}") from None
+        return [
+            STORED_TAG,
+            list(event.namespace),
+            event.parent_page,
+            list(event.page_ids),
+            list(event.generations),
+            tokens,
+        ]
+    if isinstance(event, PagesRemoved):
+        return [REMOVED_TAG, list(event.page_ids), event.reason]
+    if isinstance(event, AllCleared):
+        return [CLEARED_TAG]
+    raise ProtocolError(BAD_FIELD, f"expected a KvEvent, got {describe(event)}")
+
+
+def decode_event(value: Any, limits: Limits | None = None, path: str = "event") -> KvEvent:
+    """One event from its wire form, fully checked.
+
+    A stored chain must have at least one page, as many generations as page ids, and a
+    token count that splits evenly over its pages; the exact tokens per page are checked
+    by the receiver with `check_stored`.
+
+    Raises:
+        ProtocolError: (bad_field / too_large) naming the offending part.
+    """
+    limits = limits or DEFAULT_LIMITS
+    if type(value) is not list or not value or type(value[0]) is not str:
+        raise bad(path, 'an event ["s" | "r" | "c", ...]', value)
+    tag = value[0]
+    if tag == STORED_TAG and len(value) == 6:
+        return _decode_stored(value, path, limits)
+    if tag == REMOVED_TAG and len(value) == 3:
+        _, page_ids, reason = value
+        ids = check_page_ids(page_ids, f"{path}.page_ids", limits)
+        if not ids:
+            raise bad(f"{path}.page_ids", "at least one page id", page_ids)
+        if type(reason) is not str or reason not in REMOVAL_REASONS:
+            raise bad(f"{path}.reason", f"one of {REMOVAL_REASONS}", reason)
+        return PagesRemoved(ids, reason)
+    if tag == CLEARED_TAG and len(value) == 1:
+        return AllCleared()
+    if tag in _SHAPES:
+        raise bad(path, f"{_SHAPES[tag]} items for event {tag!r}", value)
+    raise bad(f"{path}[0]", "an event tag 's', 'r' or 'c'", tag)
+
+
+def _decode_stored(value: list, path: str, limits: Limits) -> PagesStored:
+    _, namespace, parent, page_ids, generations, tokens = value
+    ids = check_page_ids(page_ids, f"{path}.page_ids", limits)
+    gens = check_counts(generations, f"{path}.generations", limits)
+    if not ids:
+        raise bad(f"{path}.page_ids", "at least one page id", page_ids)
+    if len(gens) != len(ids):
+        raise ProtocolError(BAD_FIELD, f"{path}: {len(ids)} page ids but {len(gens)} generations")
+    packed = check_tokens(tokens, f"{path}.tokens", limits)
+    count = len(packed) // 4
+    if count == 0 or count % len(ids):
+        raise ProtocolError(
+            BAD_FIELD, f"{path}.tokens: {count} tokens do not split evenly over {len(ids)} pages"
+        )
+    event = _WirePagesStored(
+        check_namespace(namespace, f"{path}.namespace", limits),
+        None if parent is None else check_page_id(parent, f"{path}.parent_page", limits),
+        ids,
+        gens,
+        token_tuple(packed),
+    )
+    event._packed = packed
+    return event
+
+
+def check_events(value: Any, path: str, limits: Limits) -> list[KvEvent]:
+    items = check_list(value, path, limits)
+    return [decode_event(item, limits, f"{path}[{index}]") for index, item in enumerate(items)]
+
+
+def check_chains(value: Any, path: str, limits: Limits) -> list[PagesStored]:
+    """Resync payload: stored chains only."""
+    items = check_list(value, path, limits)
+    chains = []
+    for index, item in enumerate(items):
+        where = f"{path}[{index}]"
+        if type(item) is not list or not item or item[0] != STORED_TAG:
+            raise bad(where, 'a stored chain ["s", ...]', item)
+        chains.append(decode_event(item, limits, where))
+    return chains
+
+
+def events_wire(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [encode_event(event) for event in value]
+    return value

@@ -1,0 +1,153 @@
+"""Frame safety: bytes to msgpack objects, bounded in size, allocation and depth.
+
+msgpack preallocates every array and map a header announces, and the headers of a
+truncated or forged frame may announce far more than the frame holds, level after
+level. So:
+
+- size first: a frame over `Limits.max_frame_bytes` is refused before msgpack sees it;
+- a frame of short lists and maps (every hot message) decodes in one pass under limits
+  that cap what its headers can claim at about 1 MiB;
+- any other frame is first walked by msgpack's C skipper, which builds nothing, and
+  decoded only if it is complete: what decoding allocates is then bounded by its size;
+- depth is checked level by level (`too_deep`, no recursion) where a schema needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from cache_service.protocol.errors import (
+    BAD_FRAME,
+    INT64_MAX,
+    TOO_DEEP,
+    TOO_LARGE,
+    Limits,
+    ProtocolError,
+)
+
+# One-pass decoding: at most this many items per list and keys per map. 1,024 levels
+# (msgpack's stack) of 128 slots is about 1 MiB, whatever the headers claim.
+_FAST_LIST_LEN = 128
+_FAST_MAP_LEN = 16
+_CONTAINERS = frozenset((list, dict))
+
+
+def unpack(frame: Any, limits: Limits) -> Any:
+    """One frame's msgpack objects.
+
+    Raises:
+        ProtocolError: not bytes-like, empty, over max_frame_bytes, truncated, trailing
+            bytes, malformed, nested past msgpack's stack, or over a Limits length; with
+            the envelope's request id when it could be read.
+    """
+    if type(frame) is bytes:
+        size = len(frame)
+    elif isinstance(frame, bytes | bytearray | memoryview):
+        size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    else:
+        raise ProtocolError(BAD_FRAME, f"a frame is bytes, got {type(frame).__name__}")
+    if size > limits.max_frame_bytes:
+        raise ProtocolError(
+            TOO_LARGE, f"frame of {size} bytes exceeds max_frame_bytes {limits.max_frame_bytes}"
+        )
+    if size == 0:
+        raise ProtocolError(BAD_FRAME, "empty frame")
+    kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
+    try:
+        return msgpack.unpackb(frame, **kwargs)
+    except Exception:  # a long list, or a bad frame: the careful way says which
+        pass
+    skipper = msgpack.Unpacker(max_buffer_size=size)
+    try:
+        skipper.feed(frame)
+        skipper.skip()
+    except msgpack.StackError:
+        raise ProtocolError(
+            TOO_DEEP, "frame nests deeper than the decoder's stack (1024 levels)"
+        ) from None
+    except msgpack.OutOfData:
+        raise ProtocolError(BAD_FRAME, f"truncated frame ({size} bytes)") from None
+    except Exception as exc:  # msgpack reports malformed input in several types
+        raise ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__})") from None
+    if skipper.tell() != size:
+        raise ProtocolError(BAD_FRAME, f"{size - skipper.tell()} trailing bytes after the envelope")
+    try:
+        return msgpack.unpackb(
+            frame, **_unpack_kwargs(limits, limits.max_list_len, limits.max_list_len)
+        )
+    except Exception as exc:  # msgpack raises ValueError and friends; all are bad frames
+        error = _unpack_error(exc)
+    # Still answer the request that sent it, when its envelope says which one that was.
+    raise ProtocolError(error.code, error.message, _peek_request_id(frame))
+
+
+def too_deep(root: Any, depth: int, limit: int) -> bool:
+    """Whether containers nest below `limit`, `root` being at `depth`; level by level."""
+    level = [root] if type(root) in _CONTAINERS else []
+    while level:
+        if depth > limit:
+            return True
+        below = []
+        for container in level:
+            children = container.values() if type(container) is dict else container
+            # Most containers hold only scalars; set(map(type, ...)) tells at C speed.
+            if not _CONTAINERS.isdisjoint(set(map(type, children))):
+                below.extend(child for child in children if type(child) in _CONTAINERS)
+        level = below
+        depth += 1
+    return False
+
+
+def _unpack_kwargs(limits: Limits, max_list: int, max_map: int) -> dict[str, Any]:
+    return {
+        "raw": False,
+        "strict_map_key": True,
+        "use_list": True,
+        "max_bin_len": limits.max_frame_bytes,
+        "max_str_len": max(limits.max_str_len, limits.max_text_len),
+        "max_array_len": min(max_list, limits.max_list_len),
+        "max_map_len": min(max_map, limits.max_list_len),
+        "max_ext_len": 0,
+        "ext_hook": _reject_ext,
+    }
+
+
+def _fast_unpack(limits: Limits) -> dict[str, Any]:
+    """msgpack.unpackb keywords of the one-pass decode under `limits`, kept on `limits`."""
+    kwargs = _unpack_kwargs(limits, _FAST_LIST_LEN, _FAST_MAP_LEN)
+    object.__setattr__(limits, "_fast_unpack", kwargs)  # not a field: frozen, equal, hashed alike
+    return kwargs
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(BAD_FRAME, f"msgpack ext type {code} is not part of the protocol")
+
+
+def _unpack_error(exc: Exception) -> ProtocolError:
+    """What a msgpack decoding failure means for the sender."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, UnicodeDecodeError):
+        return ProtocolError(BAD_FRAME, f"a string is not valid UTF-8 ({exc.reason})")
+    text = str(exc)
+    if "max_ext_len" in text:
+        return ProtocolError(BAD_FRAME, "msgpack ext types are not part of the protocol")
+    if isinstance(exc, ValueError) and "exceeds max_" in text:
+        return ProtocolError(TOO_LARGE, f"frame: {text}")
+    return ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__}: {text[:200]})")
+
+
+def _peek_request_id(frame: bytes | bytearray | memoryview) -> int:
+    """The envelope's request id of a frame the strict decoder refused, else 0.
+
+    Only called once the skipper has found the frame complete, so even without the strict
+    limits what this builds is bounded by the frame's size.
+    """
+    try:
+        envelope = msgpack.unpackb(frame, raw=True, strict_map_key=False, use_list=True)
+        request_id = envelope[b"id"]
+    except Exception:  # anything unreadable simply has no id
+        return 0
+    return request_id if type(request_id) is int and 0 <= request_id <= INT64_MAX else 0
