@@ -101,8 +101,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _service_process(conn) -> None:
-    prompts = make_prompt_tokens(PROMPTS)
+def _service_process(conn, count: int) -> None:
+    prompts = make_prompt_tokens(count)
     before = _rss_bytes()
     index = build_index(prompts)
     grown = _rss_bytes() - before
@@ -116,6 +116,7 @@ def _service_process(conn) -> None:
     pages_per_s = (
         rounds * len(packed) * (PROMPT_TOKENS // PAGE_TOKENS) / (time.perf_counter() - start)
     )
+    pages = index.num_pages  # read now: once the server starts, its loop owns the index
     server = ServiceServer(index, ServerConfig(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600))
     address = server.start()
     # The echo's canned answer: what the service answers for a full hit, re-encoded plainly.
@@ -123,8 +124,8 @@ def _service_process(conn) -> None:
     conn.send(
         {
             "address": address,
-            "pages": index.num_pages,
-            "bytes_per_page": grown / index.num_pages,
+            "pages": pages,
+            "bytes_per_page": grown / pages,
             "inprocess_pages_per_s": pages_per_s,
             "canned": canned,
             "matched_tokens": canned["b"]["matched_tokens"],
@@ -193,49 +194,66 @@ def _client_process(address: str, frames: list[bytes], duration: float, start_at
     out.put(latencies)
 
 
-def _phase(address: str, frames: list[bytes], ctx) -> list[float]:
+def _phase(address: str, frames: list[bytes], ctx, phase_s: float) -> list[float]:
     out = ctx.Queue()
     start_at = time.time() + 0.5  # all clients start together
     clients = [
-        ctx.Process(target=_client_process, args=(address, frames, PHASE_S, start_at, out))
+        ctx.Process(target=_client_process, args=(address, frames, phase_s, start_at, out))
         for _ in range(CLIENTS)
     ]
     for client in clients:
         client.start()
-    latencies = [lat for _ in clients for lat in out.get(timeout=PHASE_S + 60)]
+    latencies = [lat for _ in clients for lat in out.get(timeout=phase_s + 60)]
     for client in clients:
         client.join()
     return latencies
 
 
-def run(log=sys.stderr) -> dict[str, float]:
-    """Run the benchmark; returns the named figures (also the JSON line of the CLI)."""
+def _receive(conn, process, timeout_s: float = 600.0) -> Any:
+    """The next message from a child process; raises if it died or went silent first."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if not process.is_alive():
+            raise RuntimeError(f"the {process.name} process exited with {process.exitcode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no word from the {process.name} process in {timeout_s:.0f}s")
+    return conn.recv()
+
+
+def run(log=sys.stderr, prompts: int = PROMPTS, phase_s: float = PHASE_S) -> dict[str, float]:
+    """Run the benchmark; returns the named figures (also the JSON line of the CLI).
+
+    Args:
+        log: where progress goes.
+        prompts: cached prompts in the index (fewer for a quick check of the harness).
+        phase_s: seconds each of the four phases runs.
+    """
     ctx = mp.get_context("spawn")
-    print(f"building an index of {PROMPTS} prompts of {PROMPT_TOKENS} tokens...", file=log)
+    print(f"building an index of {prompts} prompts of {PROMPT_TOKENS} tokens...", file=log)
     service_conn, child = ctx.Pipe()
-    service = ctx.Process(target=_service_process, args=(child,))
+    service = ctx.Process(target=_service_process, args=(child, prompts), name="service")
     service.start()
-    info = service_conn.recv()
+    info = _receive(service_conn, service)
     assert info["matched_tokens"] == PROMPT_TOKENS, info["matched_tokens"]
     echo_conn, child = ctx.Pipe()
     echo = ctx.Process(target=_echo_process, args=(child, info["canned"]))
     echo.start()
     echo_address = echo_conn.recv()
-    frames = request_frames(make_prompt_tokens(PROMPTS))
+    frames = request_frames(make_prompt_tokens(prompts))
 
     service_lat: list[float] = []
     echo_lat: list[float] = []
     service_s = echo_s = 0.0
     for round_ in range(2):
-        print(f"round {round_ + 1}/2: echo, then service ({PHASE_S:.0f}s each)...", file=log)
-        echo_lat += _phase(echo_address, frames, ctx)
-        echo_s += PHASE_S
-        service_lat += _phase(info["address"], frames, ctx)
-        service_s += PHASE_S
+        print(f"round {round_ + 1}/2: echo, then service ({phase_s:.0f}s each)...", file=log)
+        echo_lat += _phase(echo_address, frames, ctx, phase_s)
+        echo_s += phase_s
+        service_lat += _phase(info["address"], frames, ctx, phase_s)
+        service_s += phase_s
     echo_conn.send("stop")
     echo.join()
     service_conn.send("stop")
-    assert service_conn.recv() == "stopped"
+    assert _receive(service_conn, service) == "stopped"
     service.join()
 
     lookups_per_s = len(service_lat) / service_s
@@ -243,7 +261,7 @@ def run(log=sys.stderr) -> dict[str, float]:
     quantiles = statistics.quantiles(service_lat, n=100)
     return {
         "clients": CLIENTS,
-        "prompts": PROMPTS,
+        "prompts": prompts,
         "pages_indexed": info["pages"],
         "lookups_per_s": round(lookups_per_s, 1),
         "echo_per_s": round(echo_per_s, 1),

@@ -178,6 +178,8 @@ class ServiceServer:
         """Bind and start serving in a daemon thread; returns the bound address."""
         if self._thread is not None:
             raise RuntimeError("server already started")
+        if self._stop.is_set():
+            raise RuntimeError("a stopped server does not start again: make a new one")
         socket = self._context.socket(zmq.ROUTER)
         socket.linger = 0
         # ZMQ drops an oversized message before buffering it; the codec refuses it too.

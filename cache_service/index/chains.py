@@ -153,6 +153,26 @@ def check_event(event: KvEvent, page_tokens: int) -> bytes | None:
     raise ValueError(f"unknown event type {type(event).__name__}")
 
 
+def check_snapshot(chains: Sequence[PagesStored], page_tokens: int) -> list[bytes]:
+    """Raise ValueError unless `chains` is a whole snapshot: stored chains only, each
+    parent stored by an earlier chain, no page id twice; their packed tokens."""
+    packed = []
+    seen: set[int] = set()
+    for i, chain in enumerate(chains):
+        if not isinstance(chain, PagesStored):
+            raise ValueError(f"resync chain {i} is a {type(chain).__name__}, not PagesStored")
+        packed.append(check_event(chain, page_tokens))
+        if chain.parent_page is not None and chain.parent_page not in seen:
+            raise ValueError(
+                f"resync chain {i}: parent page {chain.parent_page} is not stored earlier"
+            )
+        repeated = seen.intersection(chain.page_ids)
+        if repeated:
+            raise ValueError(f"resync chain {i}: pages {sorted(repeated)} listed twice")
+        seen.update(chain.page_ids)
+    return packed
+
+
 def check_pages(page_ids: Sequence[int]) -> None:
     """Page ids travel as int32 in match replies; page stores number pages from 0."""
     for page in page_ids:

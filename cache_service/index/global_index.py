@@ -17,12 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cache_service.events import KvEvent, Namespace, PagesRemoved, PagesStored
-from cache_service.index.chains import Chains, check_event
+from cache_service.index.chains import Chains, check_event, check_snapshot
 from cache_service.index.holders import Holders
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
 from cache_service.index.registry import Registration, Registry, Worker, WorkerInfo
+from cache_service.index.routing import choose_worker
 from cache_service.index.tallies import Counters, Tallies
 from cache_service.index.walk import walk
 from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
@@ -287,20 +288,7 @@ class GlobalIndex:
         if refusal is not None:
             return refusal
         assert worker is not None
-        packed = []
-        seen: set[int] = set()
-        for i, chain in enumerate(chains):
-            if not isinstance(chain, PagesStored):
-                raise ValueError(f"resync chain {i} is a {type(chain).__name__}, not PagesStored")
-            packed.append(check_event(chain, self.page_tokens))
-            if chain.parent_page is not None and chain.parent_page not in seen:
-                raise ValueError(
-                    f"resync chain {i}: parent page {chain.parent_page} is not stored earlier"
-                )
-            repeated = seen.intersection(chain.page_ids)
-            if repeated:
-                raise ValueError(f"resync chain {i}: pages {sorted(repeated)} listed twice")
-            seen.update(chain.page_ids)
+        packed = check_snapshot(chains, self.page_tokens)
         self._clock += 1
         self._chains.drop_all(worker)
         for chain, data in zip(chains, packed, strict=True):
@@ -386,20 +374,8 @@ class GlobalIndex:
     def route(
         self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
     ) -> RouteDecision:
-        """Choose the live worker that should take a prompt, weighing cache against load.
-
-        For each live candidate w (a key of `loads` that is registered):
-
-            score(w) = held(w) - load_weight * load(w) * prompt_tokens
-
-        held(w) is the number of prompt tokens w holds itself as a contiguous prefix from
-        the start of the prompt: what it reuses without copying anything in. The load
-        term is in the same unit: with load as a utilisation (0 idle .. 1 saturated), a
-        saturated worker must hold `load_weight` of the prompt more than an idle one to
-        win it. Pages held only elsewhere do not count: any chosen worker can copy those.
-        Ties go to the least loaded, then to the smallest worker id, so the choice is
-        deterministic. With nothing cached anywhere the score is load alone, which makes
-        the least loaded worker the fallback ("least_loaded").
+        """Choose the live worker that should take a prompt, weighing cache against load
+        (the score is `routing.choose_worker`'s).
 
         Routing is a read: no statistics are counted and no access time changes (the
         chosen worker's own `match` counts the query).
@@ -431,18 +407,8 @@ class GlobalIndex:
         held = (
             {slot: pages for slot, pages, _ in self._holders.holdings(path)} if path.length else {}
         )
-        prompt_tokens = len(data) // 4
-
-        def rank(slot: int) -> tuple[float, float, str]:
-            worker_id, load = candidates[slot]
-            score = held.get(slot, 0) * self.page_tokens - self.load_weight * load * prompt_tokens
-            return (-score, load, worker_id)
-
-        best = min(candidates, key=rank)
-        worker_id, load = candidates[best]
-        matched = held.get(best, 0) * self.page_tokens
-        score = matched - self.load_weight * load * prompt_tokens
-        return RouteDecision(worker_id, matched, score, "prefix" if matched else "least_loaded")
+        held_tokens = {slot: pages * self.page_tokens for slot, pages in held.items()}
+        return choose_worker(candidates, held_tokens, len(data) // 4, self.load_weight)
 
     # ---- statistics and checks -----------------------------------------------------------
 
