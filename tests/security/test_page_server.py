@@ -1,0 +1,211 @@
+"""Page servers serve only workers of their mesh, and no client can stall or kill them.
+
+Findings covered: a page server sent any page's bytes to anyone who connected (a wrong
+generation only marked the trailer, after the bytes had left) and had no authentication;
+a raw client that asked for 8,192 pages and never read stalled every other fetch from that
+worker for 30 s, after which the serving thread died (an uncaught `zmq.error.NotDone`) and
+every later cross-node copy from that worker was a miss.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from cache_service.auth import KeyPair
+
+from workers.page_store import SharedPageStore, StoreLayout
+from workers.transfer import TRANSFER_VERSION, PageClient, PageServer, TransferAuth
+
+# Pages of 64 KiB: a few hundred queued for a reader that never reads fill any socket buffer.
+LAYOUT = StoreLayout(num_pages=256, num_layers=4, num_kv_heads=2, page_tokens=16, head_dim=64)
+SECRET = b"m" * 32
+
+
+def mesh_auth(encrypt: bool) -> tuple[TransferAuth, TransferAuth, KeyPair]:
+    """The holder's and a requester's transfer credentials in one mesh, and a stranger's key."""
+    holder, requester, stranger = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    peers = frozenset((holder.public, requester.public))
+    return (
+        TransferAuth(holder, peers, SECRET, encrypt),
+        TransferAuth(requester, peers, SECRET, encrypt),
+        stranger,
+    )
+
+
+@pytest.fixture
+def holder():
+    store = SharedPageStore.create(LAYOUT, tag="holder")
+    pages = store.allocate(LAYOUT.num_pages)
+    for page in pages:
+        store.write_page(page, torch.full(LAYOUT.page_shape, float(page % 97)))
+    yield store, pages
+    store.check_integrity()
+    store.close()
+
+
+@pytest.fixture
+def requester():
+    store = SharedPageStore.create(LAYOUT, tag="requester")
+    yield store, store.allocate(32)
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["curve", "signed"])
+def test_only_workers_of_the_mesh_get_pages(holder, requester, encrypt):
+    store, pages = holder
+    dst_store, dst = requester
+    server_auth, client_auth, stranger = mesh_auth(encrypt)
+    server = PageServer(store, auth=server_auth)
+    gens = store.generations(pages[:4])
+    try:
+        member = PageClient(
+            server.address, timeout_s=2.0, auth=client_auth, server_key=server_auth.keypair.public
+        )
+        assert member.fetch(pages[:4], gens, dst_store, dst[:4]) == [True] * 4
+        assert torch.equal(dst_store.page(dst[0]), store.page(pages[0]))
+        member.close()
+        outsiders = [
+            PageClient(server.address, timeout_s=0.5),  # no credentials at all
+            PageClient(
+                server.address,
+                timeout_s=0.5,
+                auth=TransferAuth(stranger, frozenset(), b"x" * 32, encrypt),
+                server_key=server_auth.keypair.public,
+            ),
+        ]
+        for outsider in outsiders:
+            dst_store.page_range(dst[4], dst[8]).zero_()
+            assert outsider.fetch(pages[:4], gens, dst_store, dst[4:8]) == [False] * 4
+            assert not dst_store.page_range(dst[4], dst[8]).any()  # not one byte arrived
+            outsider.close()
+        assert server.health()["pages_sent"] == 4
+    finally:
+        server.stop()
+
+
+def raw_request(socket: zmq.Socket, pages: list[int], generations: list[int]) -> None:
+    """A page request as a minimal client would write it (no signature)."""
+    request = {
+        "v": TRANSFER_VERSION,
+        "id": 1,
+        "pages": np.asarray(pages, "<i4").tobytes(),
+        "gens": np.asarray(generations, "<i8").tobytes(),
+    }
+    socket.send(msgpack.packb(request))
+
+
+def test_an_unsigned_request_gets_no_bytes(holder):
+    store, pages = holder
+    server_auth, _, _ = mesh_auth(encrypt=False)
+    server = PageServer(store, auth=server_auth)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger = 0
+    socket.rcvtimeo = 2000
+    socket.connect(server.address)
+    try:
+        raw_request(socket, pages[:2], store.generations(pages[:2]))
+        reply = socket.recv_multipart()
+        assert len(reply) == 1 and "error" in msgpack.unpackb(reply[0])
+        assert server.health()["pages_sent"] == 0
+    finally:
+        socket.close(linger=0)
+        server.stop()
+
+
+def fetch_seconds(client: PageClient, store, pages, dst_store, dst, rounds: int) -> list[float]:
+    gens = store.generations(pages)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        assert all(client.fetch(pages, gens, dst_store, dst))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@pytest.mark.parametrize("auth", [True, False], ids=["authenticated-staller", "no-auth"])
+def test_a_reader_that_never_reads_stalls_no_one(holder, requester, auth):
+    store, pages = holder
+    dst_store, dst = requester
+    server_auth, client_auth, _ = mesh_auth(encrypt=False) if auth else (None, None, None)
+    server = PageServer(store, auth=server_auth, request_timeout_s=2.0)
+    good = PageClient(server.address, timeout_s=5.0, auth=client_auth)
+    staller = PageClient(server.address, timeout_s=60.0, auth=client_auth)
+    staller_socket = staller._connect()
+    staller_socket.rcvhwm = 1
+    staller_socket.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        idle = fetch_seconds(good, store, pages[:16], dst_store, dst[:16], rounds=12)
+        # Ask for every page, signed as a real client would, and never read a byte.
+        staller._send_request(staller_socket, pages, store.generations(pages))
+        time.sleep(0.2)  # the server is now stuck on it, or has parked it
+        busy = fetch_seconds(good, store, pages[:16], dst_store, dst[:16], rounds=12)
+        assert statistics.median(busy) <= 2 * statistics.median(idle) + 0.005, (idle, busy)
+        deadline = time.monotonic() + 10
+        while server.health()["dropped"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = server.health()
+        assert health["alive"] and health["dropped"] >= 1, health
+        assert all(good.fetch(pages[:16], store.generations(pages[:16]), dst_store, dst[:16]))
+    finally:
+        staller.close()
+        good.close()
+        server.stop()
+
+
+def test_the_serving_thread_is_restarted_if_it_dies(holder, requester, caplog):
+    store, pages = holder
+    dst_store, dst = requester
+    server = PageServer(store)
+    client = PageClient(server.address, timeout_s=2.0)
+    try:
+        assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))
+        thread = server._thread
+        # Kill the thread for real: an exception no `except Exception` catches.
+        killed = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)
+        )
+        assert killed == 1
+        thread.join(5)
+        assert not thread.is_alive()
+        assert server.health()["alive"] is False
+        assert server.ensure_running() is True  # restarted (the worker's publisher calls this)
+        assert "page server thread died" in caplog.text
+        health = server.health()
+        assert health["alive"] and health["restarts"] == 1
+        client.close()
+        client = PageClient(server.address, timeout_s=2.0)
+        assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_malformed_requests_never_stop_the_server(holder, requester):
+    store, pages = holder
+    dst_store, dst = requester
+    server = PageServer(store)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger = 0
+    socket.rcvtimeo = 2000
+    socket.connect(server.address)
+    try:
+        for frame in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": 99})):
+            socket.send(frame)
+            assert "error" in msgpack.unpackb(socket.recv_multipart()[0])
+        raw_request(socket, [LAYOUT.num_pages + 5], [0])  # out of range
+        assert "error" in msgpack.unpackb(socket.recv_multipart()[0])
+        client = PageClient(server.address, timeout_s=2.0)
+        assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))
+        client.close()
+        assert server.health()["alive"] and server.health()["errors"] >= 5
+    finally:
+        socket.close(linger=0)
+        server.stop()
