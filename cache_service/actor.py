@@ -15,21 +15,30 @@ from typing import Any
 
 import ray
 
-from cache_service.server import CurveKeys, ServerConfig, make_server
+from cache_service.auth import MeshKeys, tenant_salt
+from cache_service.server import ServerConfig, make_server
 
 SERVICE_NAME = "kvmesh-service"
 RAY_NAMESPACE = "kvmesh"
 
 
 class ServiceActor:
-    """Plain class run as a Ray actor by `start_service` (testable without Ray)."""
+    """Plain class run as a Ray actor by `start_service` (testable without Ray).
 
-    def __init__(self, config: dict[str, Any], curve: bool = False):
+    Args:
+        config: ServerConfig fields (host may be "loopback" or "node").
+        keys: the mesh's keys (`MeshKeys.to_dict()`), made by the launcher: a restarted
+            actor gets the same ones, so workers and front doors keep talking to it.
+        auth: serve with CurveZMQ and identities (else in plain text, to anyone).
+    """
+
+    def __init__(self, config: dict[str, Any], keys: dict[str, Any], auth: bool = True):
         config = dict(config)
         config["host"] = resolve_host(config.get("host", "loopback"))
         self.config = ServerConfig(**config)
-        self.curve = CurveKeys.generate() if curve else None
-        self.server = make_server(self.config, self.curve)
+        self.keys = MeshKeys.from_dict(keys)
+        self.auth = auth
+        self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()
 
@@ -38,8 +47,16 @@ class ServiceActor:
         return {
             "address": self.server.address,
             "epoch": self.server.epoch,
-            "server_key": None if self.curve is None else self.curve.public,
+            "server_key": self.keys.service.public if self.auth else None,
         }
+
+    def credentials(self) -> dict[str, Any]:
+        """The mesh's keys and secret, for a front door that attaches (through Ray only)."""
+        return {"keys": self.keys.to_dict(), "auth": self.auth}
+
+    def tenant_salt(self, tenant: str) -> str:
+        """The namespace salt of `tenant` in this mesh."""
+        return tenant_salt(self.keys.secret, tenant)
 
     def stats(self) -> dict[str, Any]:
         """The index's statistics (the same figures the `stats` request returns), read by
@@ -67,13 +84,21 @@ def resolve_host(host: str) -> str:
     return host
 
 
-def start_service(config: ServerConfig | None = None, curve: bool = False) -> Any:
+def start_service(
+    config: ServerConfig | None = None, keys: MeshKeys | None = None, auth: bool = True
+) -> Any:
     """Start the service actor (or return the running one) and wait until it serves.
+
+    Args:
+        config: where and how it serves.
+        keys: the mesh's keys (fresh ones for a mesh of no workers when None).
+        auth: serve with CurveZMQ and identities.
 
     Returns:
         The actor handle, named SERVICE_NAME in namespace RAY_NAMESPACE.
     """
     config = config or ServerConfig(host="loopback")
+    keys = keys or MeshKeys.generate(())
     actor_cls = ray.remote(ServiceActor)
     handle = actor_cls.options(
         name=SERVICE_NAME,
@@ -83,7 +108,7 @@ def start_service(config: ServerConfig | None = None, curve: bool = False) -> An
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
-    ).remote(dataclasses.asdict(config), curve)
+    ).remote(dataclasses.asdict(config), keys.to_dict(), auth)
     ray.get(handle.endpoint.remote())
     return handle
 

@@ -20,10 +20,10 @@ from cache_service.events import KvEvent, Namespace, PagesStored
 
 
 class Register(NamedTuple):
-    """A worker incarnation announces itself (again after a service restart)."""
+    """A worker announces a new incarnation of itself (at start, after a service restart,
+    or whenever the service no longer knows its epoch); the service issues the epoch."""
 
     worker_id: str
-    epoch: int  # the incarnation, increasing on every worker restart
     node_id: str
     tier: str  # the memory tier its pages live in, e.g. "cpu" or "gpu"
     address: str  # its page server, for peers on other nodes; "" if none
@@ -33,7 +33,7 @@ class Heartbeat(NamedTuple):
     """A worker is alive, with its current load."""
 
     worker_id: str
-    epoch: int
+    epoch: int  # as the service issued it at Register
     load: float
 
 
@@ -76,19 +76,41 @@ class GetStats(NamedTuple):
 
 
 class Bye(NamedTuple):
-    """A worker leaves: its holdings are dropped at once."""
+    """A worker leaves: its holdings are dropped at once (only with its current epoch)."""
 
     worker_id: str
     epoch: int
 
 
+class ReportDead(NamedTuple):
+    """The front door saw a worker die: drop it and its holdings at once."""
+
+    worker_id: str
+
+
+class NameTenant(NamedTuple):
+    """The front door tells the service the name of a tenant's salt, for the statistics
+    (which show names, never salts)."""
+
+    salt: str
+    name: str
+
+
 # ---- replies -------------------------------------------------------------------------------
 
 
-class EpochReply(NamedTuple):
-    """The answer to Register and Heartbeat: the service's current epoch."""
+class Registered(NamedTuple):
+    """The answer to Register: the epoch of this incarnation, to carry on every later
+    message of the worker, and the service's own epoch."""
 
     service_epoch: int  # a new one on every service start: re-register and resync on change
+    epoch: int
+
+
+class EpochReply(NamedTuple):
+    """The answer to Heartbeat: the service's current epoch."""
+
+    service_epoch: int
 
 
 class ApplyResult(NamedTuple):
@@ -171,8 +193,8 @@ class StatsReply(NamedTuple):
     stats: dict[str, Any]
 
 
-class ByeReply(NamedTuple):
-    """The answer to Bye."""
+class Ack(NamedTuple):
+    """The answer to Bye, ReportDead and NameTenant: done."""
 
 
 class ErrorReply(NamedTuple):
@@ -182,14 +204,26 @@ class ErrorReply(NamedTuple):
     message: str
 
 
-Request = Register | Heartbeat | PublishEvents | Resync | Match | Route | GetStats | Bye
+Request = (
+    Register
+    | Heartbeat
+    | PublishEvents
+    | Resync
+    | Match
+    | Route
+    | GetStats
+    | Bye
+    | ReportDead
+    | NameTenant
+)
 Reply = (
-    EpochReply
+    Registered
+    | EpochReply
     | ApplyResult
     | ResyncReply
     | MatchResult
     | RouteDecision
     | StatsReply
-    | ByeReply
+    | Ack
     | ErrorReply
 )

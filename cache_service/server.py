@@ -13,6 +13,12 @@ index through the loop: `stats()`, `check_integrity()` and `run_housekeeping()` 
 call that the loop runs between requests (woken at once through an inproc socket), and
 wait for its result. Before `start` and after `stop` they run in the caller's thread.
 
+With keys (`cache_service.auth.ServerKeys`), the socket is a CURVE server: only the
+mesh's keys get through (the ZAP handler of `cache_service.zap`), and each request is
+checked against the identity its key is bound to before it reaches the index: a worker
+speaks only for itself, the front door never publishes (`cache_service.auth.allowed`).
+Without keys the same epoch rules and bounds hold, for anyone who can reach the socket.
+
 Envelope on the socket: a client DEALER sends one frame, the payload; the ROUTER sees
 [identity, payload] and replies [identity, reply]. A REQ client's empty delimiter frame
 is accepted and echoed, so both kinds of client work.
@@ -31,23 +37,29 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgpack
 import zmq
 
-from cache_service import protocol
+from cache_service import protocol, zap
 from cache_service.addresses import check_bind_host
-from cache_service.index import GlobalIndex
+from cache_service.auth import Identity, ServerKeys, allowed
+from cache_service.index import GlobalIndex, RegistryFull, StaleEpoch
 from cache_service.messages import (
+    Ack,
     ApplyResult,
     Bye,
-    ByeReply,
     EpochReply,
     GetStats,
     Heartbeat,
     Match,
     MatchResult,
+    NameTenant,
     PublishEvents,
     Register,
+    Registered,
     Reply,
+    ReportDead,
+    Request,
     Resync,
     ResyncReply,
     Route,
@@ -61,7 +73,10 @@ T = TypeVar("T")
 
 # Server-side error codes, beside the codec's own.
 UNKNOWN_WORKER = "unknown_worker"  # heartbeat from a worker the index does not know: register
-REJECTED = "rejected"  # well-formed but refused by the index (e.g. an older epoch)
+REJECTED = "rejected"  # well-formed but refused by the index (e.g. a 257th tier)
+FORBIDDEN = "forbidden"  # the sender's identity may not send this request
+STALE_EPOCH = "stale_epoch"  # BYE with another epoch than the worker's current one
+REGISTRY_FULL = "registry_full"  # max_workers registered, each holding pages
 
 # Requests answered per wakeup before the loop looks at its clock and control queue again.
 _DRAIN = 256
@@ -80,6 +95,11 @@ class ServerConfig:
     housekeeping_interval_s: float = 0.25
     page_tokens: int = 16
     load_weight: float = 0.5
+    # Bounds on what clients can make the service hold (see GlobalIndex): registrations,
+    # tenants with figures of their own, holders named per match.
+    max_workers: int = 1024
+    max_tenants: int = 256
+    max_spans: int = 16
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
@@ -89,25 +109,6 @@ class ServerConfig:
             raise ValueError("liveness_timeout_s and housekeeping_interval_s must be positive")
         if self.page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {self.page_tokens}")
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """CurveZMQ keys (z85 bytes) of the server, and the clients it accepts.
-
-    With keys set, the socket is a CURVE server: traffic is encrypted and only clients
-    that know the server's public key can talk to it; `allowed_clients`, when given,
-    further limits it to those client public keys.
-    """
-
-    public: bytes
-    secret: bytes
-    allowed_clients: tuple[bytes, ...] | None = None
-
-    @classmethod
-    def generate(cls, allowed_clients: tuple[bytes, ...] | None = None) -> CurveKeys:
-        public, secret = zmq.curve_keypair()
-        return cls(public, secret, allowed_clients)
 
 
 class ServiceServer:
@@ -122,7 +123,8 @@ class ServiceServer:
     Args:
         index: the index to serve; the loop thread owns it while the server runs.
         config: where to listen, liveness and housekeeping.
-        curve: CurveZMQ keys; None serves in plain text.
+        keys: the service's CURVE keys and the identities of the keys it admits; None
+            serves anyone, in plain text.
         limits: bounds on every frame.
         clock: seconds, monotonic; liveness is judged by it (tests inject their own).
     """
@@ -131,20 +133,20 @@ class ServiceServer:
         self,
         index: GlobalIndex,
         config: ServerConfig | None = None,
-        curve: CurveKeys | None = None,
+        keys: ServerKeys | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.index = index
         self.config = config or ServerConfig()
-        self.curve = curve
+        self.keys = keys
         self.limits = limits
         self._clock = clock
         # A new epoch for every start: workers that see it change re-register and resync.
         self.epoch = time.time_ns() // 1000
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
-        self._auth: Any = None
+        self._zap_domain = ""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._address = ""
@@ -167,6 +169,8 @@ class ServiceServer:
             Route: self._route,
             GetStats: self._stats,
             Bye: self._bye,
+            ReportDead: self._report_dead,
+            NameTenant: self._name_tenant,
         }
 
     @property
@@ -184,9 +188,13 @@ class ServiceServer:
         socket.linger = 0
         # ZMQ drops an oversized message before buffering it; the codec refuses it too.
         socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + 4096)
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
-        if self.curve is not None:
-            self._start_curve(socket)
+        # No ROUTER_HANDOVER: it would let a client that names its routing id take over
+        # another connection's replies.
+        if self.keys is not None:
+            socket.curve_secretkey = self.keys.keypair.secret
+            socket.curve_publickey = self.keys.keypair.public
+            socket.curve_server = True
+            self._zap_domain = zap.open_domain(self.keys.clients.keys(), socket)
         host = self.config.host
         if self.config.port:
             socket.bind(f"tcp://{host}:{self.config.port}")
@@ -222,9 +230,9 @@ class ServiceServer:
             if self._wake is not None:
                 self._wake.close(linger=0)
                 self._wake = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        if self._zap_domain:
+            zap.close_domain(self._zap_domain)
+            self._zap_domain = ""
 
     # ------------------------------------------------------------------ calls into the loop
 
@@ -291,10 +299,10 @@ class ServiceServer:
                     # Drain what is queued before looking at the clock again.
                     for _ in range(_DRAIN):
                         try:
-                            frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                            frames = self._receive(socket)
                         except zmq.Again:
                             break
-                        self._serve(socket, frames)
+                        self._serve(socket, *frames)
                 if control in ready:
                     while control.poll(0):
                         control.recv()
@@ -321,17 +329,30 @@ class ServiceServer:
             )
         return expired
 
-    def _serve(self, socket: zmq.Socket, frames: list[bytes]) -> None:
+    def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], Identity | None]:
+        """One message's frames and who sent it (None without keys).
+
+        Raises:
+            zmq.Again: nothing queued.
+        """
+        if self.keys is None:
+            return socket.recv_multipart(zmq.NOBLOCK, copy=True), None
+        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        # The ZAP handler admitted the key; its z85 form is the message's User-Id.
+        speaker = self.keys.clients.get(frames[-1].get("User-Id").encode())
+        return [frame.bytes for frame in frames], speaker
+
+    def _serve(self, socket: zmq.Socket, frames: list[bytes], speaker: Identity | None) -> None:
         identity, rest = frames[0], frames[1:]
         delimiter = [b""] if rest and rest[0] == b"" else []
         payload = rest[len(delimiter) :]
-        reply = self._handle(payload)
+        reply = self._handle(payload, speaker)
         try:
             socket.send_multipart([identity, *delimiter, reply], zmq.NOBLOCK)
         except zmq.Again:  # the client is gone or not reading; it will retry
             log.debug("reply to a client that is not reading dropped")
 
-    def _handle(self, payload: list[bytes]) -> bytes:
+    def _handle(self, payload: list[bytes], speaker: Identity | None = None) -> bytes:
         """One request's payload frames -> the encoded reply (never raises)."""
         self.requests += 1
         request_id = 0
@@ -342,12 +363,22 @@ class ServiceServer:
                 )
             request = protocol.decode(payload[0], "request", limits=self.limits)
             request_id = request.request_id
+            if self.keys is not None:
+                _check_allowed(speaker, request.body)
             reply = protocol.ok_reply(request, self._handlers[type(request.body)](request.body))
             return protocol.encode(reply, limits=self.limits, check=False)
         except ProtocolError as exc:
             self.errors += 1
             reply = protocol.error_reply(exc.request_id or request_id, exc)
             return protocol.encode(reply, check=False)
+        except StaleEpoch as exc:
+            self.errors += 1
+            error = ProtocolError(STALE_EPOCH, str(exc), request_id)
+            return protocol.encode(protocol.error_reply(request_id, error), check=False)
+        except RegistryFull as exc:
+            self.errors += 1
+            error = ProtocolError(REGISTRY_FULL, str(exc), request_id)
+            return protocol.encode(protocol.error_reply(request_id, error), check=False)
         except (ValueError, TypeError) as exc:  # the index refused a well-formed request
             self.errors += 1
             error = ProtocolError(REJECTED, str(exc), request_id)
@@ -359,11 +390,11 @@ class ServiceServer:
 
     # ------------------------------------------------------------------ handlers
 
-    def _register(self, request: Register) -> EpochReply:
-        self.index.register(
-            request.worker_id, request.epoch, request.node_id, request.tier, now=self._clock()
+    def _register(self, request: Register) -> Registered:
+        registration = self.index.register(
+            request.worker_id, request.node_id, request.tier, now=self._clock()
         )
-        return EpochReply(self.epoch)
+        return Registered(self.epoch, registration.epoch)
 
     def _heartbeat(self, request: Heartbeat) -> EpochReply:
         if not self.index.heartbeat(request.worker_id, request.epoch, now=self._clock()):
@@ -395,6 +426,7 @@ class ServiceServer:
         return StatsReply(self._stats_snapshot())
 
     def _stats_snapshot(self) -> dict[str, Any]:
+        """The index's figures and the server's, cut to fit a reply frame if need be."""
         stats = self.index.stats()
         stats["service"] = {
             "epoch": self.epoch,
@@ -402,45 +434,62 @@ class ServiceServer:
             "errors": self.errors,
             "address": self._address,
         }
+        return _fitted(stats, self.limits.max_frame_bytes - 1024)
+
+    def _bye(self, request: Bye) -> Ack:
+        self.index.remove_worker(request.worker_id, "bye", epoch=request.epoch)
+        return Ack()
+
+    def _report_dead(self, request: ReportDead) -> Ack:
+        self.index.remove_worker(request.worker_id, "reported_dead")
+        return Ack()
+
+    def _name_tenant(self, request: NameTenant) -> Ack:
+        self.index.name_tenant(request.salt, request.name)
+        return Ack()
+
+
+def _check_allowed(speaker: Identity | None, request: Request) -> None:
+    """Raise FORBIDDEN unless `speaker` may send `request` (see `auth.allowed`)."""
+    if speaker is None:  # the ZAP handler admitted a key the server does not know
+        raise ProtocolError(FORBIDDEN, "this key has no identity in the mesh")
+    if not allowed(speaker, request):
+        target = getattr(request, "worker_id", None) or getattr(request, "requester", None)
+        raise ProtocolError(
+            FORBIDDEN,
+            f"{speaker.role} {speaker.worker_id!r} may not send {type(request).__name__}"
+            + (f" for {target!r}" if target else ""),
+        )
+
+
+def _fitted(stats: dict[str, Any], budget: int) -> dict[str, Any]:
+    """`stats` with a "truncated" flag, its per-worker and per-tenant sections cut (totals
+    kept whole) until it packs within `budget` bytes."""
+    stats["truncated"] = False
+    if len(msgpack.packb(stats)) <= budget:
         return stats
-
-    def _bye(self, request: Bye) -> ByeReply:
-        self.index.remove_worker(request.worker_id, "bye")
-        return ByeReply()
-
-    def _start_curve(self, socket: zmq.Socket) -> None:
-        if self.curve.allowed_clients is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self._auth = ThreadAuthenticator(self._context)
-            self._auth.start()
-            self._auth.configure_curve_callback(
-                domain="*", credentials_provider=_AllowList(self.curve.allowed_clients)
-            )
-        socket.curve_secretkey = self.curve.secret
-        socket.curve_publickey = self.curve.public
-        socket.curve_server = True
-
-
-class _AllowList:
-    """ZAP credentials provider: accepts the listed z85 client public keys."""
-
-    def __init__(self, keys: tuple[bytes, ...]):
-        self.keys = frozenset(keys)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+    stats["truncated"] = True
+    for section in ("workers", "tenants"):
+        entries = list(stats[section].items())
+        while entries and len(msgpack.packb(stats)) > budget:
+            entries = entries[: len(entries) // 2]
+            stats[section] = dict(entries)
+    return stats
 
 
 def make_server(
     config: ServerConfig,
-    curve: CurveKeys | None = None,
+    keys: ServerKeys | None = None,
     clock: Callable[[], float] = time.monotonic,
+    limits: protocol.Limits = protocol.DEFAULT_LIMITS,
 ) -> ServiceServer:
     """A server over a fresh index configured from `config`."""
     index = GlobalIndex(
         page_tokens=config.page_tokens,
         liveness_timeout_s=config.liveness_timeout_s,
         load_weight=config.load_weight,
+        max_workers=config.max_workers,
+        max_tenants=config.max_tenants,
+        max_spans=config.max_spans,
     )
-    return ServiceServer(index, config, curve, clock=clock)
+    return ServiceServer(index, config, keys, limits=limits, clock=clock)

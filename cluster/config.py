@@ -104,11 +104,31 @@ class ServiceConfig:
     port: int = 0
     liveness_timeout_s: float = 10.0
     load_weight: float = 0.5
+    # What clients can make the service hold: registrations, tenants with figures of
+    # their own (the rest summed as "(other)"), holders named per match.
+    max_workers: int = 1024
+    max_tenants: int = 256
+    max_spans: int = 16
 
     def __post_init__(self) -> None:
         _check_host(self.host, "service.host")
         if self.liveness_timeout_s <= 0:
             raise ConfigError("service.liveness_timeout_s must be positive")
+        for name in ("max_workers", "max_tenants", "max_spans"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"service.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may talk to the service and to the page servers."""
+
+    # CurveZMQ on the service and on page servers, keys bound to identities and roles.
+    # Off only on a network nobody else can reach (e.g. one machine in a test).
+    auth: bool = True
+    # Whether page bytes between nodes are encrypted too (CurveZMQ); when not, page
+    # requests are still signed with the mesh secret. See workers.transfer for the cost.
+    encrypt_pages: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +140,7 @@ class KvmeshConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def store_layout(self) -> StoreLayout:
         """The page store layout these sections describe."""

@@ -8,17 +8,20 @@
     mesh.shutdown()
 
 Tenants: the front door is the server side of the system, so it derives each tenant's
-salt itself (an HMAC of the tenant name under a secret made at connect) and passes the
-salt to the worker; a client only ever names its tenant. Different tenants therefore
-never share pages, even for byte-identical prompts.
+salt itself (an HMAC of the tenant name under the mesh secret) and passes the salt to the
+worker; a client only ever names its tenant. Different tenants therefore never share
+pages, even for byte-identical prompts. The front door tells the service each tenant's
+name, so the statistics show names, never salts.
+
+Keys: `connect` makes the mesh's keys (`cache_service.auth.MeshKeys`: the service's, the
+front door's, one pair per worker, and the mesh secret) and hands them to the actors it
+creates; with `security.auth` on (the default) the service and the page servers admit
+those keys only, each bound to its identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import os
 import sys
 import threading
 import time
@@ -30,6 +33,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.actor import RAY_NAMESPACE, get_service, start_service, stop_service
+from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.events import Namespace
 from cache_service.server import ServerConfig
 from cluster.config import KvmeshConfig, load_config
@@ -54,6 +58,9 @@ class WorkerActor(Worker):
 
         settings = dict(settings)
         settings["cache"] = PrefixCacheConfig(**settings["cache"])
+        if settings.get("keypair") is not None:
+            settings["keypair"] = KeyPair(*settings["keypair"])
+        settings["page_peers"] = frozenset(settings.get("page_peers", ()))
         super().__init__(WorkerSettings(**settings))
 
 
@@ -102,14 +109,25 @@ class Mesh:
     """A running kvmesh: the service actor, the worker actors, and a routing client."""
 
     def __init__(
-        self, cfg: KvmeshConfig, workers: dict[str, Any], tokenizer: Any, started_ray: bool
+        self,
+        cfg: KvmeshConfig,
+        workers: dict[str, Any],
+        tokenizer: Any,
+        started_ray: bool,
+        keys: MeshKeys,
     ):
         self.config = cfg
         self.workers = workers
         self.tokenizer = tokenizer
         self._started_ray = started_ray
-        self._secret = os.urandom(32)
-        self._client = ServiceClient(ray_resolver(), timeout_s=2.0, retries=1)
+        self._secret = keys.secret
+        # The keys, when the mesh uses them (authentication on); None otherwise.
+        self._keys = keys if cfg.security.auth else None
+        front_door = keys.front_door if cfg.security.auth else None
+        self._client = ServiceClient(
+            ray_resolver(), timeout_s=2.0, retries=1, client_keys=front_door
+        )
+        self._named: set[str] = set()  # tenants whose names the service has
         self._inflight = dict.fromkeys(workers, 0)
         self._lock = threading.Lock()
         self._closed = False
@@ -122,16 +140,21 @@ class Mesh:
             liveness_timeout_s=cfg.service.liveness_timeout_s,
             page_tokens=cfg.cache.page_tokens,
             load_weight=cfg.service.load_weight,
+            max_workers=cfg.service.max_workers,
+            max_tenants=cfg.service.max_tenants,
+            max_spans=cfg.service.max_spans,
         )
-        print("starting the service...", file=log)
-        start_service(service_cfg)
+        worker_ids = [f"w{i}" for i in range(cfg.workers.count)]
+        keys = MeshKeys.generate(worker_ids)
+        auth = cfg.security.auth
+        print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
+        start_service(service_cfg, keys, auth)
         tokenizer = _prepare_model(cfg.model.name, log)
         nodes = _nodes()
         workers: dict[str, Any] = {}
         actor_cls = ray.remote(WorkerActor)
-        for i in range(cfg.workers.count):
+        for i, worker_id in enumerate(worker_ids):
             node = nodes[i % len(nodes)]  # spread: worker i on node i mod N, head first
-            worker_id = f"w{i}"
             settings = {
                 "worker_id": worker_id,
                 "node_id": node["NodeID"],
@@ -143,6 +166,10 @@ class Mesh:
                 "cache": dataclasses.asdict(cfg.cache),
                 "threads": cfg.workers.threads,
                 "publish_interval_s": cfg.workers.publish_interval_s,
+                "keypair": tuple(keys.workers[worker_id]) if auth else None,
+                "page_peers": sorted(keys.worker_publics()) if auth else [],
+                "mesh_secret": keys.secret,
+                "encrypt_pages": cfg.security.encrypt_pages,
             }
             workers[worker_id] = actor_cls.options(
                 name=f"kvmesh-worker-{worker_id}",
@@ -151,7 +178,7 @@ class Mesh:
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(settings)
-        mesh = cls(cfg, workers, tokenizer, started_ray)
+        mesh = cls(cfg, workers, tokenizer, started_ray, keys)
         try:
             infos = _wait_ready(workers, log)
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
@@ -189,9 +216,8 @@ class Mesh:
         tokens = self._tokens(prompt)
         if not tokens:
             raise ValueError("empty prompt")
-        if not tenant:
-            raise ValueError("tenant must be a non-empty name")
         salt = self.salt(tenant)
+        self._name_tenant(tenant, salt)
         if worker is None:
             worker = self._route(Namespace(self.config.model.name, "", salt), tokens)
         elif worker not in self.workers:
@@ -209,8 +235,23 @@ class Mesh:
         return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
 
     def salt(self, tenant: str) -> str:
-        """The namespace salt of a tenant (derived here, never taken from a client)."""
-        return hmac.new(self._secret, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+        """The namespace salt of a tenant (derived from the mesh secret, never taken from a
+        client); the same on every front door of the mesh.
+
+        Raises:
+            ValueError: an empty tenant name, or one that is not valid UTF-8.
+        """
+        return tenant_salt(self._secret, tenant)
+
+    def _name_tenant(self, tenant: str, salt: str) -> None:
+        """Tell the service the tenant's name once (its statistics show names, not salts)."""
+        if tenant in self._named:
+            return
+        try:
+            self._client.name_tenant(salt, tenant)
+            self._named.add(tenant)
+        except ServiceUnavailable:
+            pass  # told on a later request
 
     def stats(self) -> dict[str, Any]:
         """Cluster-level figures: the service's index statistics plus each worker's."""

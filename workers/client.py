@@ -28,9 +28,12 @@ from cache_service.messages import (
     Heartbeat,
     Match,
     MatchResult,
+    NameTenant,
     PublishEvents,
     Register,
+    Registered,
     Reply,
+    ReportDead,
     Request,
     Resync,
     Route,
@@ -54,9 +57,13 @@ class ServiceError(RuntimeError):
     """
 
     def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
+        # Both in args so the exception survives pickling (Ray ships exceptions).
+        super().__init__(code, message)
         self.code = code
         self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
 
 
 class ServiceEndpoint(NamedTuple):
@@ -75,8 +82,9 @@ class ServiceClient:
         timeout_s: how long one try waits for its reply.
         retries: further tries after the first times out.
         limits: bounds applied to every reply read.
-        client_keys: this client's CurveZMQ (public, secret) z85 keys, for a service that
-            only accepts listed clients; a fresh pair per connection otherwise.
+        client_keys: this client's CurveZMQ key pair (`KeyPair` or (public, secret) z85),
+            bound to its identity in the mesh; a fresh pair per connection otherwise (which
+            a service with authentication on refuses).
     """
 
     def __init__(
@@ -104,10 +112,14 @@ class ServiceClient:
     # ------------------------------------------------------------------ requests
 
     def register(
-        self, worker_id: str, epoch: int, node_id: str, tier: str = "cpu", address: str = ""
-    ) -> int:
-        """Register this worker incarnation; returns the service's epoch."""
-        return self.call(Register(worker_id, epoch, node_id, tier, address)).service_epoch
+        self, worker_id: str, node_id: str, tier: str = "cpu", address: str = ""
+    ) -> Registered:
+        """Register a new incarnation of this worker.
+
+        Returns:
+            Registered(service_epoch, epoch): the epoch to carry on every later message.
+        """
+        return self.call(Register(worker_id, node_id, tier, address))
 
     def heartbeat(self, worker_id: str, epoch: int, load: float = 0.0) -> int:
         """Mark this worker alive; returns the service's epoch.
@@ -150,8 +162,20 @@ class ServiceClient:
         return self.call(GetStats()).stats
 
     def bye(self, worker_id: str, epoch: int) -> None:
-        """Leave: the service drops this worker's holdings at once."""
+        """Leave: the service drops this worker's holdings at once.
+
+        Raises:
+            ServiceError: code "stale_epoch" when `epoch` is not the worker's current one.
+        """
         self.call(Bye(worker_id, epoch))
+
+    def report_dead(self, worker_id: str) -> None:
+        """(Front door) a worker died: the service drops it and its holdings at once."""
+        self.call(ReportDead(worker_id))
+
+    def name_tenant(self, salt: str, name: str) -> None:
+        """(Front door) the service shows `salt`'s statistics under `name`."""
+        self.call(NameTenant(salt, name))
 
     # ------------------------------------------------------------------ transport
 

@@ -9,19 +9,24 @@ every published page) whenever it may have diverged:
 - the service restarted (its epoch changed) or no longer knows this worker.
 
 A lost reply is harmless: the retry carries the same sequence number, and the service
-ignores a batch it already applied.
+ignores a batch it already applied. Epochs belong to the service: each registration gets a
+new one, and every later message carries it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable
 
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable
 from workers.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
+
+# Events per batch: a batch is one frame, and a frame may hold at most
+# `Limits.max_containers` lists and maps (an event is one or two).
+MAX_EVENTS_PER_BATCH = 4096
 
 
 class EventPublisher:
@@ -32,7 +37,6 @@ class EventPublisher:
         cache: the worker's local prefix cache.
         worker_id, node_id, tier, address: how the worker registers; `address` is its
             page server, where peers on other nodes read pages.
-        epoch: this incarnation of the worker (default: now, in microseconds).
     """
 
     def __init__(
@@ -43,7 +47,6 @@ class EventPublisher:
         node_id: str,
         tier: str = "cpu",
         address: str = "",
-        epoch: int | None = None,
     ):
         self.client = client
         self.cache = cache
@@ -51,7 +54,7 @@ class EventPublisher:
         self.node_id = node_id
         self.tier = tier
         self.address = address
-        self.epoch = time.time_ns() // 1000 if epoch is None else epoch
+        self.epoch = 0  # issued by the service at registration; 0: not registered
         self.seq = 0
         self.service_epoch: int | None = None
         self.resyncs = 0
@@ -97,13 +100,14 @@ class EventPublisher:
                 self._needs_sync = True
         return self.sync()
 
-    def start(self, interval_s: float = 0.5) -> None:
-        """Sync and heartbeat every `interval_s` from a daemon thread."""
+    def start(self, interval_s: float = 0.5, tick: Callable[[], None] | None = None) -> None:
+        """Sync and heartbeat every `interval_s` from a daemon thread; `tick` (the worker's
+        own housekeeping, e.g. keeping its page server up) runs each round too."""
         if self._thread is not None:
             raise RuntimeError("publisher already started")
         self._thread = threading.Thread(
             target=self._run,
-            args=(interval_s,),
+            args=(interval_s, tick),
             name=f"kvmesh-publisher-{self.worker_id}",
             daemon=True,
         )
@@ -115,23 +119,25 @@ class EventPublisher:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
-        if bye:
+        if bye and self.epoch:
             try:
                 self.client.bye(self.worker_id, self.epoch)
             except (ServiceUnavailable, ServiceError) as exc:
                 log.info("worker %s: bye not delivered (%s)", self.worker_id, exc)
 
-    def _run(self, interval_s: float) -> None:
+    def _run(self, interval_s: float, tick: Callable[[], None] | None) -> None:
         while not self._stop.wait(interval_s):
-            try:
-                self.heartbeat()
-            except Exception:  # keep publishing whatever one round ran into
-                log.exception("worker %s: publisher round failed", self.worker_id)
+            for step in (self.heartbeat, tick):
+                if step is None:
+                    continue
+                try:
+                    step()
+                except Exception:  # keep publishing whatever one round ran into
+                    log.exception("worker %s: publisher round failed", self.worker_id)
 
     def _register_and_resync(self) -> None:
-        self.service_epoch = self.client.register(
-            self.worker_id, self.epoch, self.node_id, self.tier, self.address
-        )
+        registered = self.client.register(self.worker_id, self.node_id, self.tier, self.address)
+        self.service_epoch, self.epoch, self.seq = registered.service_epoch, registered.epoch, 0
         chains = self.cache.snapshot(drain_events=True)
         self.seq += 1
         self.client.resync(self.worker_id, self.epoch, self.seq, chains)
@@ -140,15 +146,16 @@ class EventPublisher:
 
     def _send_events(self) -> None:
         events = self.cache.take_events()
-        if not events:
-            return
-        self.seq += 1
-        try:
-            reply = self.client.publish_events(self.worker_id, self.epoch, self.seq, events)
-        except ServiceUnavailable:
-            self._needs_sync = True  # these events are gone: a snapshot will cover them
-            raise
-        self.batches += 1
-        if reply.needs_resync:
-            log.info("worker %s: service asks for a resync (%s)", self.worker_id, reply.reason)
-            self._register_and_resync()
+        for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+            self.seq += 1
+            batch = events[start : start + MAX_EVENTS_PER_BATCH]
+            try:
+                reply = self.client.publish_events(self.worker_id, self.epoch, self.seq, batch)
+            except ServiceUnavailable:
+                self._needs_sync = True  # these events are gone: a snapshot will cover them
+                raise
+            self.batches += 1
+            if reply.needs_resync:
+                log.info("worker %s: service asks for a resync (%s)", self.worker_id, reply.reason)
+                self._register_and_resync()  # the snapshot covers the rest of the events
+                return

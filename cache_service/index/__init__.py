@@ -28,8 +28,8 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 The index is plain Python and numpy: no Ray, ZMQ or torch.
 """
 
-from cache_service.index.global_index import GlobalIndex, OwnerError
-from cache_service.index.registry import Registration, WorkerInfo
+from cache_service.index.global_index import GlobalIndex, OwnerError, StaleEpoch
+from cache_service.index.registry import Registration, RegistryFull, WorkerInfo
 from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
 
 __all__ = [
@@ -40,6 +40,8 @@ __all__ = [
     "OwnerError",
     "PackedSpan",
     "Registration",
+    "RegistryFull",
     "RouteDecision",
+    "StaleEpoch",
     "WorkerInfo",
 ]

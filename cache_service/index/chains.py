@@ -33,6 +33,26 @@ class Chains:
         self._nodes = nodes
         self._holders = holders
 
+    def apply(
+        self, worker: Worker, events: Sequence[KvEvent], packed: Sequence[bytes | None], clock: int
+    ) -> str | None:
+        """Apply checked events (`packed`: what `check_event` returned for each) in order.
+
+        Returns:
+            None, or why a stored chain cannot be placed (see `store`); the events before
+            it stay applied (each is idempotent, and the worker resyncs next).
+        """
+        for event, data in zip(events, packed, strict=True):
+            if isinstance(event, PagesStored):
+                failure = self.store(worker, event, data, clock)
+                if failure is not None:
+                    return failure
+            elif isinstance(event, PagesRemoved):
+                self.drop_pages(worker, event.page_ids)
+            else:
+                self.drop_all(worker)
+        return None
+
     def store(self, worker: Worker, event: PagesStored, data: bytes, clock: int) -> str | None:
         """Hang a checked chain (packed tokens `data`) below the worker's parent page.
 

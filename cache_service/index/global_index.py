@@ -10,21 +10,26 @@ refused with `OwnerError` instead of racing the loop: such callers go through th
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cache_service.events import KvEvent, Namespace, PagesRemoved, PagesStored
+from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.index.chains import Chains, check_event, check_snapshot
 from cache_service.index.holders import Holders
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
-from cache_service.index.registry import Registration, Registry, Worker, WorkerInfo
-from cache_service.index.routing import choose_worker
-from cache_service.index.tallies import Counters, Tallies
+from cache_service.index.registry import (
+    Registration,
+    Registry,
+    RegistryFull,
+    Worker,
+    WorkerInfo,
+)
+from cache_service.index.routing import choose_worker, live_candidates
+from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.index.walk import walk
 from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
 from cache_service.tokens import TokenInput, as_packed
@@ -37,6 +42,10 @@ class OwnerError(RuntimeError):
     """A GlobalIndex was called from a thread other than the one that owns it."""
 
 
+class StaleEpoch(ValueError):
+    """A worker spoke with an epoch that is not its current one."""
+
+
 class GlobalIndex:
     """Cluster-wide prefix index: page-granular tries of token pages and their holders.
 
@@ -45,13 +54,23 @@ class GlobalIndex:
         liveness_timeout_s: a worker silent (no register/heartbeat) for longer than this
             is dropped by `expire`.
         load_weight: lambda in the routing score (see `route`).
+        max_workers: registrations at once; when full, a newcomer takes the place of the
+            least recently seen registration that holds no pages.
+        max_tenants: tenant salts with figures of their own (later ones: "(other)").
+        max_spans: holders a match names at most (the longest).
 
     Raises:
-        ValueError: a non-positive page_tokens or timeout, or a negative load_weight.
+        ValueError: a non-positive page_tokens, timeout or bound, or a negative load_weight.
     """
 
     def __init__(
-        self, page_tokens: int = 16, liveness_timeout_s: float = 10.0, load_weight: float = 0.5
+        self,
+        page_tokens: int = 16,
+        liveness_timeout_s: float = 10.0,
+        load_weight: float = 0.5,
+        max_workers: int = 1024,
+        max_tenants: int = 256,
+        max_spans: int = 16,
     ):
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
@@ -59,7 +78,10 @@ class GlobalIndex:
             raise ValueError(f"liveness_timeout_s must be positive, got {liveness_timeout_s}")
         if not load_weight >= 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if max_spans < 1:
+            raise ValueError(f"max_spans must be positive, got {max_spans}")
         self.page_tokens = page_tokens
+        self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
         self._owner: int | None = _get_ident()
@@ -69,9 +91,12 @@ class GlobalIndex:
         self._nodes = Nodes(page_tokens, self._keys, self._holders.grow)
         self._nodes.grow(64)
         self._chains = Chains(self._nodes, self._holders)
-        self._registry = Registry()
-        self._tallies = Tallies(page_tokens)
+        self._registry = Registry(max_workers)
+        self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match
+        # Epochs are issued here, one per registration. They start at the wall clock in
+        # microseconds, so a restarted service never reissues an epoch of its predecessor.
+        self._last_epoch = time.time_ns() // 1000
         self._events = {"batches": 0, "duplicates": 0, "resyncs_requested": 0, "resyncs": 0}
 
     # ---- the owner thread ----------------------------------------------------------------
@@ -99,61 +124,55 @@ class GlobalIndex:
     # ---- workers -------------------------------------------------------------------------
 
     def register(
-        self,
-        worker_id: str,
-        epoch: int,
-        node_id: str,
-        tier: str = "cpu",
-        now: float | None = None,
+        self, worker_id: str, node_id: str, tier: str = "cpu", now: float | None = None
     ) -> Registration:
-        """Register a worker (or a new incarnation of one) and mark it alive.
+        """Register a new incarnation of a worker, issue its epoch, and mark it alive.
 
-        A new epoch drops everything the old epoch held and restarts its sequence numbers;
-        the same epoch again (a retried registration) keeps its holdings and seq.
+        Whatever an earlier incarnation of the same id held is dropped (the new one
+        resyncs), and its sequence numbers restart; messages with the old epoch are refused
+        from now on.
 
         Args:
             worker_id: the worker's name, unique in the cluster.
-            epoch: the incarnation, increasing on every worker restart.
             node_id: the cluster node the worker runs on.
             tier: the memory tier its pages live in (reported on its spans).
             now: the current time in seconds (default: time.monotonic()).
 
         Returns:
-            A Registration; the next event batch carries seq `last_seq + 1`.
+            A Registration with the new epoch; the next event batch carries seq 1.
 
         Raises:
-            ValueError: epoch older than the registered one, more than 256 tiers, or more
-                than 32,767 workers registered at once.
+            ValueError: 256 other tiers in use.
+            RegistryFull: max_workers registered, each holding pages.
         """
         self._own()
         now = time.monotonic() if now is None else now
-        tier_code = self._registry.tier_code(tier)
         worker = self._registry.get(worker_id)
+        tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
+        if worker is None and self._registry.full():
+            victim = self._registry.evictable()
+            if victim is None:
+                self._registry.release_tier(tier_code)
+                raise RegistryFull(
+                    f"cannot register {worker_id!r}: {self._registry.max_workers} workers "
+                    "registered, each holding pages"
+                )
+            self.remove_worker(victim.worker_id, "evicted")
+        self._last_epoch += 1
         dropped = 0
         if worker is None:
-            worker = self._registry.add(worker_id, epoch, node_id, tier_code)
-        elif epoch < worker.epoch:
-            raise ValueError(
-                f"worker {worker_id!r}: epoch {epoch} is older than the registered {worker.epoch}"
-            )
-        elif epoch > worker.epoch:
+            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code)
+        else:
             dropped = self._chains.drop_all(worker)
-            worker.epoch, worker.last_seq, worker.desynced = epoch, 0, False
+            self._registry.release_tier(worker.tier)
+            worker.epoch, worker.last_seq, worker.desynced = self._last_epoch, 0, False
         worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
-        return Registration(worker_id, epoch, worker.last_seq, dropped)
+        return Registration(worker_id, worker.epoch, 0, dropped)
 
     def heartbeat(self, worker_id: str, epoch: int, now: float | None = None) -> bool:
-        """Mark a worker alive.
-
-        Args:
-            worker_id: the worker.
-            epoch: its incarnation.
-            now: the current time in seconds (default: time.monotonic()).
-
-        Returns:
-            False when the worker is unknown (expired or never registered) or the epoch is
-            not the registered one: the worker must register again.
-        """
+        """Mark a worker alive at `now` (default: time.monotonic()); False when it is unknown
+        (expired or never registered) or `epoch` is not its current one: it must register
+        again."""
         self._own()
         worker = self._registry.get(worker_id)
         if worker is None or worker.epoch != epoch:
@@ -162,14 +181,8 @@ class GlobalIndex:
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Remove every worker silent for longer than `liveness_timeout_s`.
-
-        Args:
-            now: the current time in seconds (default: time.monotonic()).
-
-        Returns:
-            The removed worker ids, sorted.
-        """
+        """Remove every worker silent for longer than `liveness_timeout_s` at `now` (default:
+        time.monotonic()); the removed worker ids, sorted."""
         self._own()
         now = time.monotonic() if now is None else now
         silent = self._registry.silent(now, self.liveness_timeout_s)
@@ -177,23 +190,37 @@ class GlobalIndex:
             self.remove_worker(worker_id, "expired")
         return silent
 
-    def remove_worker(self, worker_id: str, reason: str) -> int:
+    def remove_worker(self, worker_id: str, reason: str, epoch: int | None = None) -> int:
         """Forget a worker (dead, drained) and all its holdings at once.
 
         Args:
             worker_id: the worker; an unknown one is a no-op.
             reason: why, counted in `stats()["removed_workers"]`.
+            epoch: when given (a worker saying BYE), only that incarnation is removed.
 
         Returns:
             The number of holdings dropped.
+
+        Raises:
+            StaleEpoch: `epoch` is not the worker's current one; nothing changes.
         """
         self._own()
         worker = self._registry.get(worker_id)
         if worker is None:
             return 0
+        if epoch is not None and epoch != worker.epoch:
+            raise StaleEpoch(
+                f"worker {worker_id!r} is at epoch {worker.epoch}, not {epoch}: not removed"
+            )
         dropped = self._chains.drop_all(worker)
         self._registry.remove(worker_id, reason)
+        self._tallies.fold_requester(worker_id)
         return dropped
+
+    def name_tenant(self, salt: str, name: str) -> None:
+        """Show the figures of tenant `salt` under `name` (statistics never show salts)."""
+        self._own()
+        self._tallies.name(salt, name)
 
     def live_workers(self) -> list[str]:
         """The registered (live) worker ids, sorted."""
@@ -250,15 +277,9 @@ class GlobalIndex:
             return self._desync(worker, "gap")
         packed = [check_event(event, self.page_tokens) for event in events]
         self._clock += 1
-        for event, data in zip(events, packed, strict=True):
-            if isinstance(event, PagesStored):
-                failure = self._chains.store(worker, event, data, self._clock)
-                if failure is not None:
-                    return self._desync(worker, failure)
-            elif isinstance(event, PagesRemoved):
-                self._chains.drop_pages(worker, event.page_ids)
-            else:
-                self._chains.drop_all(worker)
+        failure = self._chains.apply(worker, events, packed, self._clock)
+        if failure is not None:
+            return self._desync(worker, failure)
         worker.last_seq = seq
         return ApplyResult(True, False, "applied", seq)
 
@@ -364,8 +385,10 @@ class GlobalIndex:
                 )
             if len(built) > 1:
                 built.sort(key=_span_order)  # packed lengths are 4x, in the same order
-            spans = tuple(built)
+            spans = tuple(built[: self.max_spans])
         matched = path.length * self.page_tokens
+        if requester is not None and requester not in self._registry.workers:
+            requester = UNREGISTERED
         self._tallies.record(
             namespace.salt, requester, len(data) // 4, matched, local * self.page_tokens
         )
@@ -394,20 +417,12 @@ class GlobalIndex:
         """
         self._own()
         data = _checked(namespace, tokens)
-        candidates: dict[int, tuple[str, float]] = {}
-        for worker_id, load in loads.items():
-            if not (math.isfinite(load) and load >= 0):
-                raise ValueError(f"load of worker {worker_id!r} must be finite and >= 0: {load}")
-            worker = self._registry.get(worker_id)
-            if worker is not None:
-                candidates[worker.slot] = (worker_id, float(load))
+        candidates = live_candidates(loads, self._registry.workers)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
         path = walk(self._nodes, self._nodes.roots.get(namespace), data)
-        held = (
-            {slot: pages for slot, pages, _ in self._holders.holdings(path)} if path.length else {}
-        )
-        held_tokens = {slot: pages * self.page_tokens for slot, pages in held.items()}
+        holdings = self._holders.holdings(path) if path.length else []
+        held_tokens = {slot: pages * self.page_tokens for slot, pages, _ in holdings}
         return choose_worker(candidates, held_tokens, len(data) // 4, self.load_weight)
 
     # ---- statistics and checks -----------------------------------------------------------
@@ -422,8 +437,8 @@ class GlobalIndex:
         """Hit statistics and sizes as a plain dict (msgpack-friendly).
 
         Returns:
-            {"page_tokens", "pages", "holdings", "workers_live",
-             "cluster": counters, "tenants": {salt: counters},
+            {"page_tokens", "pages", "holdings", "workers_live", "tiers": names in use,
+             "cluster": counters, "tenants": {name: counters},
              "workers": {worker id: counters + "pages" held + "live"},
              "events": {"batches", "duplicates", "resyncs_requested", "resyncs"},
              "removed_workers": {reason: count}}
@@ -431,24 +446,14 @@ class GlobalIndex:
             remote_hit_tokens, miss_tokens, alignment_lost_tokens.
         """
         self._own()
-        cluster, tenants, requesters = self._tallies.summary()
         live = self._registry.workers
-        workers: dict[str, dict] = {}
-        for worker_id in sorted(set(requesters) | set(live)):
-            counters = requesters.get(worker_id) or Counters()
-            worker = live.get(worker_id)
-            workers[worker_id] = counters.as_dict() | {
-                "pages": worker.pages.size if worker else 0,
-                "live": worker is not None,
-            }
         return {
             "page_tokens": self.page_tokens,
             "pages": self._nodes.num_pages,
             "holdings": self._registry.holdings(),
             "workers_live": len(live),
-            "cluster": cluster.as_dict(),
-            "tenants": {salt: c.as_dict() for salt, c in sorted(tenants.items())},
-            "workers": workers,
+            "tiers": self._registry.tiers_in_use(),
+            **self._tallies.report({worker_id: w.pages.size for worker_id, w in live.items()}),
             "events": dict(self._events),
             "removed_workers": dict(self._registry.removed),
         }
@@ -457,6 +462,8 @@ class GlobalIndex:
         """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
         self._own()
         check_integrity(self._nodes, self._holders, self._registry)
+        self._registry.check()
+        self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The workers the index knows: registrations, slots, tiers, liveness, reverse page maps.
 
-Each live worker has a slot, its number in the holder columns (int16, so at most 32,767
-at once; a removed worker's slot is reused), and a page map from its own page ids to the
-nodes it holds them as, so its events name pages by the ids of its page store.
+Each live worker has a slot, its number in the holder columns (int16; a removed worker's
+slot is reused), and a page map from its own page ids to the nodes it holds them as, so
+its events name pages by the ids of its page store. Everything here is bounded: at most
+`max_workers` registrations, and tier names are forgotten with their last worker.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import NamedTuple
 from cache_service.index.nodes import NONE
 
 MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
-MAX_TIERS = 256
+MAX_TIERS = 256  # tier names in use at once
 # Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
 # is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
 _DENSE_PAGE_LIMIT = 1 << 22
@@ -118,43 +119,74 @@ class Worker:
         self.pages = PageMap()
 
 
-class Registry:
-    """Workers by id and by slot, tier names by code, and the removal counts."""
+class RegistryFull(ValueError):
+    """No room for another worker: every registration holds pages."""
 
-    def __init__(self) -> None:
+
+class Registry:
+    """Workers by id and by slot, tier names by code, and the removal counts.
+
+    Args:
+        max_workers: registrations at once (at most MAX_SLOTS).
+    """
+
+    def __init__(self, max_workers: int = 1024) -> None:
+        if not 1 <= max_workers <= MAX_SLOTS:
+            raise ValueError(f"max_workers must be in [1, {MAX_SLOTS}], got {max_workers}")
+        self.max_workers = max_workers
         self.workers: dict[str, Worker] = {}
         self.slots: list[Worker | None] = []
         self._free_slots: list[int] = []
-        self.tiers: list[str] = []
+        self.tiers: list[str | None] = []  # by code; None: a free code
         self._tier_codes: dict[str, int] = {}
+        self._tier_users: list[int] = []
         self.removed: dict[str, int] = {}  # reason -> workers removed for it
 
     def get(self, worker_id: str | None) -> Worker | None:
         return None if worker_id is None else self.workers.get(worker_id)
 
-    def tier_code(self, tier: str) -> int:
-        """The code of `tier`, made on first use.
+    def acquire_tier(self, tier: str) -> int:
+        """The code of `tier` for one more worker (made on first use).
 
         Raises:
-            ValueError: a 257th tier.
+            ValueError: MAX_TIERS other tiers are in use.
         """
         code = self._tier_codes.get(tier)
         if code is None:
-            if len(self.tiers) == MAX_TIERS:
-                raise ValueError(f"more than {MAX_TIERS} tiers: cannot add {tier!r}")
-            code = self._tier_codes[tier] = len(self.tiers)
-            self.tiers.append(tier)
+            if len(self._tier_codes) == MAX_TIERS:
+                raise ValueError(f"{MAX_TIERS} tiers in use: cannot add {tier!r}")
+            code = next((c for c, name in enumerate(self.tiers) if name is None), len(self.tiers))
+            if code == len(self.tiers):
+                self.tiers.append(tier)
+                self._tier_users.append(0)
+            self.tiers[code] = tier
+            self._tier_codes[tier] = code
+        self._tier_users[code] += 1
         return code
 
-    def add(self, worker_id: str, epoch: int, node_id: str, tier: int) -> Worker:
-        """A new worker in a free slot.
+    def release_tier(self, code: int) -> None:
+        """One worker less in tier `code`; the name is forgotten with its last worker."""
+        self._tier_users[code] -= 1
+        if self._tier_users[code] == 0:
+            del self._tier_codes[self.tiers[code]]
+            self.tiers[code] = None
 
-        Raises:
-            ValueError: every slot is taken.
-        """
+    def tiers_in_use(self) -> list[str]:
+        return sorted(self._tier_codes)
+
+    def full(self) -> bool:
+        return len(self.workers) >= self.max_workers
+
+    def evictable(self) -> Worker | None:
+        """The registration to drop for a newcomer when full: the least recently seen one
+        that holds no pages (a worker with pages is never pushed out); None if none."""
+        empty = [worker for worker in self.workers.values() if worker.pages.size == 0]
+        return min(empty, key=lambda w: (w.last_seen, w.worker_id), default=None)
+
+    def add(self, worker_id: str, epoch: int, node_id: str, tier: int) -> Worker:
+        """A new worker in a free slot (the caller made room: see `full`)."""
+        assert not self.full(), f"{len(self.workers)} workers registered, the most"
         slot = self._free_slots.pop() if self._free_slots else len(self.slots)
-        if slot >= MAX_SLOTS:
-            raise ValueError(f"cannot register {worker_id!r}: {MAX_SLOTS} workers live")
         worker = Worker(worker_id, slot, epoch, node_id, tier)
         if slot == len(self.slots):
             self.slots.append(worker)
@@ -169,6 +201,7 @@ class Registry:
         if worker is not None:
             self.slots[worker.slot] = None
             self._free_slots.append(worker.slot)
+            self.release_tier(worker.tier)
             self.removed[reason] = self.removed.get(reason, 0) + 1
         return worker
 
@@ -195,3 +228,19 @@ class Registry:
     def holdings(self) -> int:
         """Pages held, summed over the live workers."""
         return sum(worker.pages.size for worker in self.workers.values())
+
+    def check(self) -> None:
+        """Slots, tier codes and their user counts agree with the workers."""
+        for worker_id, worker in self.workers.items():
+            assert self.slots[worker.slot] is worker, f"{worker_id} is not in its slot"
+        live = sum(worker is not None for worker in self.slots)
+        assert live == len(self.workers), f"{live} slots taken for {len(self.workers)} workers"
+        users = [0] * len(self.tiers)
+        for worker in self.workers.values():
+            users[worker.tier] += 1
+        assert users == self._tier_users, f"tier users {self._tier_users}, counted {users}"
+        named = {name: code for code, name in enumerate(self.tiers) if name is not None}
+        assert named == self._tier_codes, f"tier codes {self._tier_codes} != {named}"
+        assert all(
+            (n > 0) == (name is not None) for n, name in zip(users, self.tiers, strict=True)
+        ), "a tier name outlived its last worker"

@@ -16,9 +16,29 @@ anywhere the score is load alone, which makes the least loaded worker the fallba
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+from cache_service.index.registry import Worker
 from cache_service.messages import RouteDecision
+
+
+def live_candidates(
+    loads: Mapping[str, float], workers: Mapping[str, Worker]
+) -> dict[int, tuple[str, float]]:
+    """slot -> (worker id, load) of the registered workers among `loads`' keys.
+
+    Raises:
+        ValueError: a load negative or not finite.
+    """
+    candidates: dict[int, tuple[str, float]] = {}
+    for worker_id, load in loads.items():
+        if not (math.isfinite(load) and load >= 0):
+            raise ValueError(f"load of worker {worker_id!r} must be finite and >= 0: {load}")
+        worker = workers.get(worker_id)
+        if worker is not None:
+            candidates[worker.slot] = (worker_id, float(load))
+    return candidates
 
 
 def choose_worker(

@@ -3,11 +3,20 @@
 For every query, queried = hit + miss + alignment_lost, and hit = local + remote:
 "local" are pages the requester holds itself, "remote" pages only others hold, and
 "alignment_lost" the trailing partial page, which page granularity cannot serve whatever
-is cached. A match updates one list of five ints keyed by (tenant salt, requester); the
-cluster, tenant and worker figures are summed from those when asked for.
+is cached. A match adds five ints to its tenant's tally and five to its requester's; the
+cluster's figures are the sum over tenants.
+
+Bounded whatever the clients send: at most `max_tenants` salts have tallies of their own
+(later ones are summed as "(other)"); a requester has a tally only while it is a
+registered worker (anything else counts as "(unregistered)", and a removed worker's
+figures are folded into "(removed)"). The statistics never show a salt: a tenant appears
+under the name the front door gave it (`name`), or as "(unnamed)".
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 COUNTERS = (
     "queries",
@@ -18,6 +27,11 @@ COUNTERS = (
     "miss_tokens",
     "alignment_lost_tokens",
 )
+OTHER = "(other)"  # tenants beyond max_tenants
+UNNAMED = "(unnamed)"  # tenants the front door did not name
+UNREGISTERED = "(unregistered)"  # requesters that are not registered workers
+REMOVED = "(removed)"  # workers that were removed since
+_OTHER_SALT = None  # the tally key of OTHER (no salt is None)
 
 
 class Counters:
@@ -43,32 +57,96 @@ class Counters:
 
 
 class Tallies:
-    """Per (tenant salt, requester): [queries, queried, hit, local, lost] tokens."""
+    """[queries, queried, hit, local, lost] tokens by tenant salt and by requester."""
 
-    def __init__(self, page_tokens: int):
+    def __init__(self, page_tokens: int, max_tenants: int = 256):
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be positive, got {max_tenants}")
         self.page_tokens = page_tokens
-        self._tallies: dict[tuple[str, str | None], list[int]] = {}
+        self.max_tenants = max_tenants
+        self._by_tenant: dict[str | None, list[int]] = {}
+        self._by_requester: dict[str | None, list[int]] = {}
+        self._names: dict[str, str] = {}  # salt -> the tenant's name
 
     def record(self, salt: str, requester: str | None, queried: int, hit: int, local: int) -> None:
-        """Count one query of `queried` tokens, `hit` of them cached, `local` on the requester."""
-        key = (salt, requester)
-        tally = self._tallies.get(key)
+        """Count one query of `queried` tokens, `hit` of them cached, `local` on the requester
+        (a registered worker's id, UNREGISTERED, or None for the front door)."""
+        tally = self._by_tenant.get(salt)
         if tally is None:
-            tally = self._tallies[key] = [0, 0, 0, 0, 0]
+            if len(self._by_tenant) >= self.max_tenants + (_OTHER_SALT in self._by_tenant):
+                salt = _OTHER_SALT
+            tally = self._by_tenant.setdefault(salt, [0, 0, 0, 0, 0])
+        lost = queried % self.page_tokens
         tally[0] += 1
         tally[1] += queried
         tally[2] += hit
         tally[3] += local
-        tally[4] += queried % self.page_tokens
+        tally[4] += lost
+        tally = self._by_requester.get(requester)
+        if tally is None:
+            tally = self._by_requester[requester] = [0, 0, 0, 0, 0]
+        tally[0] += 1
+        tally[1] += queried
+        tally[2] += hit
+        tally[3] += local
+        tally[4] += lost
+
+    def name(self, salt: str, name: str) -> None:
+        """Show `salt`'s figures under `name`; beyond max_tenants names, later ones are
+        left unnamed (their figures still count)."""
+        if salt in self._names or len(self._names) < self.max_tenants:
+            self._names[salt] = name
+
+    def fold_requester(self, worker_id: str) -> None:
+        """A worker left: its figures join REMOVED's."""
+        tally = self._by_requester.pop(worker_id, None)
+        if tally is not None:
+            into = self._by_requester.setdefault(REMOVED, [0, 0, 0, 0, 0])
+            for i, value in enumerate(tally):
+                into[i] += value
 
     def summary(self) -> tuple[Counters, dict[str, Counters], dict[str, Counters]]:
-        """(cluster, by tenant salt, by requester) counters."""
+        """(cluster, by tenant name, by requester) counters."""
         cluster = Counters()
         tenants: dict[str, Counters] = {}
-        requesters: dict[str, Counters] = {}
-        for (salt, requester), tally in self._tallies.items():
+        for salt, tally in self._by_tenant.items():
             cluster.add(*tally)
-            tenants.setdefault(salt, Counters()).add(*tally)
+            shown = OTHER if salt is _OTHER_SALT else self._names.get(salt, UNNAMED)
+            tenants.setdefault(shown, Counters()).add(*tally)
+        requesters: dict[str, Counters] = {}
+        for requester, tally in self._by_requester.items():
             if requester is not None:
                 requesters.setdefault(requester, Counters()).add(*tally)
         return cluster, tenants, requesters
+
+    def report(self, live_pages: Mapping[str, int]) -> dict[str, Any]:
+        """The "cluster", "tenants" and "workers" sections of the index's statistics.
+
+        Args:
+            live_pages: live worker id -> pages it holds.
+        """
+        cluster, tenants, requesters = self.summary()
+        workers: dict[str, dict] = {}
+        for worker_id in sorted(set(requesters) | set(live_pages)):
+            counters = requesters.get(worker_id) or Counters()
+            workers[worker_id] = counters.as_dict() | {
+                "pages": live_pages.get(worker_id, 0),
+                "live": worker_id in live_pages,
+            }
+        return {
+            "cluster": cluster.as_dict(),
+            "tenants": {name: c.as_dict() for name, c in sorted(tenants.items())},
+            "workers": workers,
+        }
+
+    def check(self, is_live: Callable[[str], bool]) -> None:
+        """The bounds hold: tenants, names, and requesters that are live workers or markers."""
+        assert len(self._by_tenant) <= self.max_tenants + 1, f"{len(self._by_tenant)} tenants"
+        assert len(self._names) <= self.max_tenants, f"{len(self._names)} tenant names"
+        for requester in self._by_requester:
+            assert requester in (None, UNREGISTERED, REMOVED) or is_live(requester), (
+                f"a tally for {requester!r}, which is not a live worker"
+            )
+        queries = sum(tally[0] for tally in self._by_tenant.values())
+        asked = sum(tally[0] for tally in self._by_requester.values())
+        assert queries == asked, f"{queries} queries by tenant, {asked} by requester"

@@ -20,7 +20,7 @@ INT64_MAX = 2**63 - 1
 
 # What the message table needs of any Limits (the table checks these at import): the
 # keys of the largest envelope or body, and the depth of the deepest fixed schema
-# (envelope, body, events, one event, its page ids).
+# (envelope, body, events, one event, its namespace).
 SCHEMA_MAP_KEYS = 5
 SCHEMA_DEPTH = 5
 
@@ -62,8 +62,13 @@ class Limits:
     # Free text (error messages, reasons): room for field names and numbers.
     max_text_len: int = 4096
     # The deepest fixed schema needs 5 levels (envelope, body, events, one event, its
-    # page ids); the free-form stats map may nest up to this.
+    # namespace); the free-form stats map may nest up to this.
     max_depth: int = 8
+    # Lists and maps in one frame, all levels together. Building them is what costs (about
+    # 64 bytes and 0.3 us each, for one byte of frame), so this bounds a frame's decoding
+    # at a few ms and about a MiB whatever its structure; an event costs one or two, a
+    # stats reply of a full mesh a few thousand.
+    max_containers: int = 16384
 
     def __post_init__(self) -> None:
         for field in fields(self):

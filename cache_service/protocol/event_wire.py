@@ -1,11 +1,14 @@
 """KV events on the wire: compact tagged lists, decoded into `cache_service.events` values.
 
-    ["s", [model, adapter, salt], parent_page | None, page_ids, generations, tokens_bytes]
+    ["s", [model, adapter, salt], parent_page | None, page_ids, generations, tokens]
     ["r", page_ids, reason]
     ["c"]
 
-`PagesStored.tokens` is a tuple of ints once decoded (unpacked once through numpy), and
-`packed_tokens(event)` still returns the bytes off the wire without repacking.
+Page ids travel as little-endian int32 bytes, generations as int64 bytes and tokens as
+int32 bytes (see `packed`): an event costs one or two containers whatever its length, so
+the frame's container budget (`Limits.max_containers`) bounds events, not pages.
+Decoded, they are the tuples of ints of `cache_service.events`; `packed_tokens(event)`
+still returns the token bytes off the wire without repacking.
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ from cache_service.events import (
 from cache_service.protocol.errors import BAD_FIELD, DEFAULT_LIMITS, Limits, ProtocolError
 from cache_service.protocol.fields import (
     bad,
-    check_counts,
     check_list,
     check_namespace,
     check_page_id,
-    check_page_ids,
     check_tokens,
     describe,
 )
+from cache_service.protocol.packed import check_packed, pack_ints
 from cache_service.tokens import pack_tokens, split_pages, token_tuple
 
 STORED_TAG = "s"
@@ -97,12 +99,12 @@ def encode_event(event: KvEvent) -> list:
             STORED_TAG,
             list(event.namespace),
             event.parent_page,
-            list(event.page_ids),
-            list(event.generations),
+            pack_ints(event.page_ids, "i", "stored chain page_ids"),
+            pack_ints(event.generations, "q", "stored chain generations"),
             tokens,
         ]
     if isinstance(event, PagesRemoved):
-        return [REMOVED_TAG, list(event.page_ids), event.reason]
+        return [REMOVED_TAG, pack_ints(event.page_ids, "i", "removed page_ids"), event.reason]
     if isinstance(event, AllCleared):
         return [CLEARED_TAG]
     raise ProtocolError(BAD_FIELD, f"expected a KvEvent, got {describe(event)}")
@@ -126,7 +128,7 @@ def decode_event(value: Any, limits: Limits | None = None, path: str = "event") 
         return _decode_stored(value, path, limits)
     if tag == REMOVED_TAG and len(value) == 3:
         _, page_ids, reason = value
-        ids = check_page_ids(page_ids, f"{path}.page_ids", limits)
+        ids = check_packed(page_ids, f"{path}.page_ids", limits, "i")
         if not ids:
             raise bad(f"{path}.page_ids", "at least one page id", page_ids)
         if type(reason) is not str or reason not in REMOVAL_REASONS:
@@ -141,8 +143,8 @@ def decode_event(value: Any, limits: Limits | None = None, path: str = "event") 
 
 def _decode_stored(value: list, path: str, limits: Limits) -> PagesStored:
     _, namespace, parent, page_ids, generations, tokens = value
-    ids = check_page_ids(page_ids, f"{path}.page_ids", limits)
-    gens = check_counts(generations, f"{path}.generations", limits)
+    ids = check_packed(page_ids, f"{path}.page_ids", limits, "i")
+    gens = check_packed(generations, f"{path}.generations", limits, "q")
     if not ids:
         raise bad(f"{path}.page_ids", "at least one page id", page_ids)
     if len(gens) != len(ids):

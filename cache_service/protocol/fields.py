@@ -159,28 +159,11 @@ def check_list(value: Any, path: str, limits: Limits) -> list:
     return value
 
 
-def check_counts(
-    value: Any, path: str, limits: Limits, highest: int = INT64_MAX
-) -> tuple[int, ...]:
-    """A list of ints in [0, highest]: generations (int64), page ids (int32)."""
-    items = check_list(value, path, limits)
-    # The whole list is checked at C speed; the slow loop only runs to name the culprit.
-    if items and (not set(map(type, items)) <= {int} or min(items) < 0 or max(items) > highest):
-        check = check_count if highest == INT64_MAX else check_page_id
-        for index, item in enumerate(items):
-            check(item, f"{path}[{index}]", limits)
-    return tuple(items)
-
-
 def check_page_id(value: Any, path: str, limits: Limits) -> int:
     """A page id: a non-negative int32 (match replies carry page ids as int32)."""
     if type(value) is not int or not 0 <= value <= INT32_MAX:
         raise bad(path, "int in [0, 2**31-1]", value)
     return value
-
-
-def check_page_ids(value: Any, path: str, limits: Limits) -> tuple[int, ...]:
-    return check_counts(value, path, limits, INT32_MAX)
 
 
 def check_namespace(value: Any, path: str, limits: Limits) -> Namespace:

@@ -9,6 +9,9 @@ level. So:
   that cap what its headers can claim at about 1 MiB;
 - any other frame is first walked by msgpack's C skipper, which builds nothing, and
   decoded only if it is complete: what decoding allocates is then bounded by its size;
+- both decodes count the lists and maps they build (msgpack's list and map hooks) and
+  stop at `Limits.max_containers`: a frame of a million tiny nested lists would otherwise
+  build all of them (75 times its size in memory, seconds of time) before any check;
 - depth is checked level by level (`too_deep`, no recursion) where a schema needs it.
 """
 
@@ -55,8 +58,11 @@ def unpack(frame: Any, limits: Limits) -> Any:
     if size == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
     kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
+    budget = _Budget(limits.max_containers)
     try:
-        return msgpack.unpackb(frame, **kwargs)
+        return msgpack.unpackb(frame, list_hook=budget, object_hook=budget, **kwargs)
+    except ProtocolError as exc:  # over the container budget: no second try
+        raise ProtocolError(exc.code, exc.message, _peek_request_id(frame, size)) from None
     except Exception:  # a long list, or a bad frame: the careful way says which
         pass
     skipper = msgpack.Unpacker(max_buffer_size=size)
@@ -73,14 +79,18 @@ def unpack(frame: Any, limits: Limits) -> Any:
         raise ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__})") from None
     if skipper.tell() != size:
         raise ProtocolError(BAD_FRAME, f"{size - skipper.tell()} trailing bytes after the envelope")
+    budget = _Budget(limits.max_containers)
     try:
         return msgpack.unpackb(
-            frame, **_unpack_kwargs(limits, limits.max_list_len, limits.max_list_len)
+            frame,
+            list_hook=budget,
+            object_hook=budget,
+            **_unpack_kwargs(limits, limits.max_list_len, limits.max_list_len),
         )
     except Exception as exc:  # msgpack raises ValueError and friends; all are bad frames
         error = _unpack_error(exc)
     # Still answer the request that sent it, when its envelope says which one that was.
-    raise ProtocolError(error.code, error.message, _peek_request_id(frame))
+    raise ProtocolError(error.code, error.message, _peek_request_id(frame, size))
 
 
 def too_deep(root: Any, depth: int, limit: int) -> bool:
@@ -139,15 +149,46 @@ def _unpack_error(exc: Exception) -> ProtocolError:
     return ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__}: {text[:200]})")
 
 
-def _peek_request_id(frame: bytes | bytearray | memoryview) -> int:
+class _Budget:
+    """The list and map hook of one decode: counts what it builds, stops at the limit."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int):
+        self.left = self.limit = limit
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(
+                TOO_LARGE, f"frame holds more than max_containers {self.limit} lists and maps"
+            )
+        return container
+
+
+def _peek_request_id(frame: bytes | bytearray | memoryview, size: int) -> int:
     """The envelope's request id of a frame the strict decoder refused, else 0.
 
-    Only called once the skipper has found the frame complete, so even without the strict
-    limits what this builds is bounded by the frame's size.
+    Reads only the envelope's top level (`read_map_header`, then key by key, skipping every
+    value but the id), so even a frame of pathological structure costs nothing here.
     """
+    budget = _Budget(64)  # a key or the id itself could be a nested bomb too
+    reader = msgpack.Unpacker(
+        raw=True,
+        strict_map_key=False,
+        max_buffer_size=size,
+        list_hook=budget,
+        object_hook=budget,
+    )
     try:
-        envelope = msgpack.unpackb(frame, raw=True, strict_map_key=False, use_list=True)
-        request_id = envelope[b"id"]
+        reader.feed(frame)
+        for _ in range(min(reader.read_map_header(), 8)):
+            key = reader.unpack()
+            if key == b"id":
+                request_id = reader.unpack()
+                ok = type(request_id) is int and 0 <= request_id <= INT64_MAX
+                return request_id if ok else 0
+            reader.skip()
     except Exception:  # anything unreadable simply has no id
-        return 0
-    return request_id if type(request_id) is int and 0 <= request_id <= INT64_MAX else 0
+        pass
+    return 0

@@ -10,33 +10,18 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import numpy as np
-
 from cache_service.messages import HolderSpan
 from cache_service.protocol.errors import BAD_FIELD, TOO_LARGE, Limits, ProtocolError
 from cache_service.protocol.fields import bad, check_id, check_list
+from cache_service.protocol.packed import (
+    INT32_STRUCTS,
+    INT64_STRUCTS,
+    NON_NEGATIVE_TOP_BYTES,
+    int_struct,
+    pack_ints,
+)
 
-# bytes.translate deletes these: what is left of the top bytes of packed little-endian ints
-# are the sign bytes of negative ones.
-_NON_NEGATIVE_TOP_BYTES = bytes(range(0x80))
 _tuple_new = tuple.__new__
-# Compiled little-endian formats by element count: a compiled Struct packs a 128-page span
-# in half the time of struct.pack with a format string. Counts past _CACHED_COUNT compile
-# afresh each time, so no peer can grow the cache without bound.
-_CACHED_COUNT = 4096
-_INT32_STRUCTS: dict[int, struct.Struct] = {}
-_INT64_STRUCTS: dict[int, struct.Struct] = {}
-
-
-def int_struct(count: int, code: str) -> struct.Struct:
-    """The Struct of `count` little-endian int32 ("i") or int64 ("q")."""
-    cache = _INT32_STRUCTS if code == "i" else _INT64_STRUCTS
-    compiled = cache.get(count)
-    if compiled is None:
-        compiled = struct.Struct(f"<{count}{code}")
-        if count <= _CACHED_COUNT:
-            cache[count] = compiled
-    return compiled
 
 
 def check_spans(value: Any, path: str, limits: Limits) -> tuple[HolderSpan, ...]:
@@ -64,12 +49,12 @@ def check_spans(value: Any, path: str, limits: Limits) -> tuple[HolderSpan, ...]
                 0 < count <= max_pages
                 and len(page_ids) == 4 * count
                 and len(generations) == 8 * count
-                and not page_ids[3::4].translate(None, _NON_NEGATIVE_TOP_BYTES)
-                and not generations[7::8].translate(None, _NON_NEGATIVE_TOP_BYTES)
+                and not page_ids[3::4].translate(None, NON_NEGATIVE_TOP_BYTES)
+                and not generations[7::8].translate(None, NON_NEGATIVE_TOP_BYTES)
             ):
                 break
-            int32 = _INT32_STRUCTS.get(count) or int_struct(count, "i")
-            int64 = _INT64_STRUCTS.get(count) or int_struct(count, "q")
+            int32 = INT32_STRUCTS.get(count) or int_struct(count, "i")
+            int64 = INT64_STRUCTS.get(count) or int_struct(count, "q")
             page_ids = int32.unpack(page_ids)
             generations = int64.unpack(generations)
             spans.append(_tuple_new(HolderSpan, (worker, tier, page_ids, generations)))
@@ -101,7 +86,7 @@ def _check_span(value: Any, path: str, limits: Limits) -> None:
                 TOO_LARGE,
                 f"{where}: {len(packed) // size} pages exceeds max_tokens {limits.max_tokens}",
             )
-        if packed[size - 1 :: size].translate(None, _NON_NEGATIVE_TOP_BYTES):
+        if packed[size - 1 :: size].translate(None, NON_NEGATIVE_TOP_BYTES):
             values = int_struct(len(packed) // size, "iq"[size // 8]).unpack(packed)
             at = next(i for i, item in enumerate(values) if item < 0)
             raise ProtocolError(BAD_FIELD, f"{where}[{at}]: {values[at]} is negative")
@@ -127,31 +112,12 @@ def spans_wire(value: Any) -> Any:
             continue
         if type(page_ids) is tuple and type(generations) is tuple:  # a HolderSpan's
             try:
-                int32 = _INT32_STRUCTS.get(len(page_ids)) or int_struct(len(page_ids), "i")
-                int64 = _INT64_STRUCTS.get(len(generations)) or int_struct(len(generations), "q")
+                int32 = INT32_STRUCTS.get(len(page_ids)) or int_struct(len(page_ids), "i")
+                int64 = INT64_STRUCTS.get(len(generations)) or int_struct(len(generations), "q")
                 wire.append([worker, tier, int32.pack(*page_ids), int64.pack(*generations)])
                 continue
             except (struct.error, TypeError):
-                pass  # _pack_ints names the culprit
-        page_ids = _pack_ints(page_ids, "i", f"[{index}].page_ids")
-        wire.append(
-            [worker, tier, page_ids, _pack_ints(generations, "q", f"[{index}].generations")]
-        )
+                pass  # pack_ints names the culprit
+        page_ids = pack_ints(page_ids, "i", f"[{index}].page_ids")
+        wire.append([worker, tier, page_ids, pack_ints(generations, "q", f"[{index}].generations")])
     return wire
-
-
-def _pack_ints(values: Any, code: str, path: str) -> Any:
-    """Little-endian int32 ("i") or int64 ("q") bytes of `values`; bytes pass as they are."""
-    if type(values) is bytes:
-        return values
-    if isinstance(values, bytearray | memoryview):
-        return bytes(values)
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise bad(path, "a 1-D integer array", values)
-        values = values.tolist()
-    try:
-        return int_struct(len(values), code).pack(*values)
-    except (struct.error, TypeError) as exc:
-        bits = 32 if code == "i" else 64
-        raise ProtocolError(BAD_FIELD, f"{path}: not int{bits} values ({exc})") from None

@@ -17,7 +17,9 @@ from cache_service.protocol.errors import SCHEMA_DEPTH, SCHEMA_MAP_KEYS
 from cache_service.protocol.event_wire import check_chains, check_events, events_wire
 from cache_service.protocol.spans import check_spans, spans_wire
 
-PROTOCOL_VERSION = 2  # 2: the events reply carries last_seq
+# 2: the events reply carries last_seq. 3: the service issues epochs (Registered); page ids
+# and generations of events travel packed; ReportDead, NameTenant.
+PROTOCOL_VERSION = 3
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -28,6 +30,8 @@ MATCH = "match"
 ROUTE = "route"
 STATS = "stats"
 BYE = "bye"
+REPORT_DEAD = "report_dead"
+NAME_TENANT = "name_tenant"
 OK = "ok"
 ERROR = "error"
 
@@ -96,24 +100,24 @@ SCORE = Field("score", f.check_score, f.as_float)
 TOKENS = Field("tokens", f.check_tokens, f.tokens_wire)
 NAMESPACE = Field("namespace", f.check_namespace, None, 1)
 LOADS = Field("loads", f.check_loads, f.loads_wire, 1)
-EVENT_LIST = Field("events", check_events, events_wire, 3)  # events / event / page ids
+EVENT_LIST = Field("events", check_events, events_wire, 3)  # events / event / namespace
 CHAIN_LIST = Field("chains", check_chains, events_wire, 3)
 SPANS = Field("spans", check_spans, spans_wire, 2)  # spans / span
 STATS_MAP = Field("stats", f.check_stats, None, None)
 
 
-def _epoch_reply(kind: str) -> Body:
-    return body(m.EpochReply, f"{kind}.reply", service_epoch=COUNT)
+def _ack(kind: str) -> Body:
+    return body(m.Ack, f"{kind}.reply")
 
 
 MESSAGES: dict[str, MessageSchema] = {
     REGISTER: MessageSchema(
-        body(m.Register, REGISTER, worker_id=ID, epoch=COUNT, node_id=ID, tier=ID, address=ADDRESS),
-        _epoch_reply(REGISTER),
+        body(m.Register, REGISTER, worker_id=ID, node_id=ID, tier=ID, address=ADDRESS),
+        body(m.Registered, f"{REGISTER}.reply", service_epoch=COUNT, epoch=COUNT),
     ),
     HEARTBEAT: MessageSchema(
         body(m.Heartbeat, HEARTBEAT, worker_id=ID, epoch=COUNT, load=LOAD),
-        _epoch_reply(HEARTBEAT),
+        body(m.EpochReply, f"{HEARTBEAT}.reply", service_epoch=COUNT),
     ),
     EVENTS: MessageSchema(
         body(m.PublishEvents, EVENTS, worker_id=ID, epoch=COUNT, seq=COUNT, events=EVENT_LIST),
@@ -148,8 +152,10 @@ MESSAGES: dict[str, MessageSchema] = {
     STATS: MessageSchema(
         body(m.GetStats, STATS), body(m.StatsReply, f"{STATS}.reply", stats=STATS_MAP)
     ),
-    BYE: MessageSchema(
-        body(m.Bye, BYE, worker_id=ID, epoch=COUNT), body(m.ByeReply, f"{BYE}.reply")
+    BYE: MessageSchema(body(m.Bye, BYE, worker_id=ID, epoch=COUNT), _ack(BYE)),
+    REPORT_DEAD: MessageSchema(body(m.ReportDead, REPORT_DEAD, worker_id=ID), _ack(REPORT_DEAD)),
+    NAME_TENANT: MessageSchema(
+        body(m.NameTenant, NAME_TENANT, salt=ID, name=ID), _ack(NAME_TENANT)
     ),
 }
 ERROR_BODY = body(m.ErrorReply, ERROR, code=ID, message=TEXT)

@@ -14,6 +14,7 @@ from cache_service.actor import (
     start_service,
     stop_service,
 )
+from cache_service.auth import MeshKeys
 from cache_service.events import Namespace
 from cache_service.server import ServerConfig
 from workers.client import ServiceClient, ray_resolver
@@ -26,10 +27,13 @@ NS = Namespace("m")
 P = 4
 
 
+KEYS = MeshKeys.generate(["w1"])
+
+
 @pytest.fixture
 def service(ray_local):
-    """The service actor, killed for good after the test."""
-    yield start_service(ServerConfig(host="loopback", page_tokens=P))
+    """The service actor (authentication on), killed for good after the test."""
+    yield start_service(ServerConfig(host="loopback", page_tokens=P), KEYS, auth=True)
     stop_service()
 
 
@@ -45,7 +49,7 @@ def test_killed_service_restarts_and_workers_resync(service):
     assert ray.get_actor(SERVICE_NAME, namespace=RAY_NAMESPACE) is not None
 
     cache = PrefixCache(PagePool(32), PrefixCacheConfig(page_tokens=P))
-    client = ServiceClient(ray_resolver(), timeout_s=0.5, retries=2)
+    client = ServiceClient(ray_resolver(), timeout_s=0.5, retries=2, client_keys=KEYS.workers["w1"])
     publisher = EventPublisher(client, cache, "w1", node_id="n1")
     _publish(cache, list(range(13)))
     assert publisher.sync()
@@ -62,6 +66,7 @@ def test_killed_service_restarts_and_workers_resync(service):
             pass
         assert time.monotonic() < deadline, "service actor did not restart"
         time.sleep(0.2)
+    assert second["server_key"] == first["server_key"] == KEYS.service.public  # same keys
     assert ray.get(get_service().stats.remote())["pages"] == 0  # a new, empty index
 
     # The worker notices (its old socket times out, the resolver finds the new address,

@@ -21,7 +21,9 @@ from cache_service.index import (
     OwnerError,
     PackedSpan,
     Registration,
+    RegistryFull,
     RouteDecision,
+    StaleEpoch,
     WorkerInfo,
 )
 from cache_service.index import keys as keys_module
@@ -36,7 +38,7 @@ NS = Namespace("smollm2-135m", "", "tenant-a")
 def make_index(*workers: str, now: float = 0.0, **kwargs) -> GlobalIndex:
     index = GlobalIndex(page_tokens=P, **kwargs)
     for worker in workers:
-        index.register(worker, epoch=1, node_id="node0", now=now)
+        index.register(worker, node_id="node0", now=now)
     return index
 
 
@@ -67,8 +69,13 @@ def spans(result: MatchResult) -> list[tuple[str, tuple[int, ...]]]:
     return [(span.worker_id, span.page_ids) for span in result.spans]
 
 
-def apply_ok(index: GlobalIndex, worker: str, seq: int, *events, epoch: int = 1) -> None:
-    result = index.apply_events(worker, epoch, seq, list(events))
+def epoch(index: GlobalIndex, worker: str) -> int:
+    """The epoch the index issued to the worker's current incarnation."""
+    return index.worker_info(worker).epoch
+
+
+def apply_ok(index: GlobalIndex, worker: str, seq: int, *events) -> None:
+    result = index.apply_events(worker, epoch(index, worker), seq, list(events))
     assert result == ApplyResult(True, False, "applied", seq)
 
 
@@ -150,7 +157,7 @@ def test_more_holders_than_inline_columns():
 
 def test_tier_comes_from_registration():
     index = GlobalIndex(page_tokens=P)
-    index.register("g", epoch=1, node_id="node0", tier="gpu", now=0.0)
+    index.register("g", node_id="node0", tier="gpu", now=0.0)
     apply_ok(index, "g", 1, stored((0,), (1,)))
     assert index.match(NS, make_tokens(1)).spans == (HolderSpan("g", "gpu", (0,), (0,)),)
     index.check_integrity()
@@ -216,7 +223,7 @@ def test_malformed_events_raise_and_change_nothing():
     for event, message in bad:
         # A valid event first: a batch with a bad event applies none of its events.
         with pytest.raises(ValueError, match=message):
-            index.apply_events("a", 1, 2, [PagesRemoved((0,), "evicted"), event])
+            index.apply_events("a", epoch(index, "a"), 2, [PagesRemoved((0,), "evicted"), event])
     assert index.match(NS, make_tokens(1)).matched_tokens == P
     apply_ok(index, "a", 2, stored((1,), (2,), parent=0))  # seq 2 was never consumed
     index.check_integrity()
@@ -229,8 +236,12 @@ def test_same_batch_twice_is_a_duplicate():
     index = make_index("a")
     batch = [stored((0, 1), (1, 2))]
     apply_ok(index, "a", 1, *batch)
-    assert index.apply_events("a", 1, 1, batch) == ApplyResult(False, False, "duplicate", 1)
-    assert index.apply_events("a", 1, 0, batch) == ApplyResult(False, False, "stale", 1)
+    assert index.apply_events("a", epoch(index, "a"), 1, batch) == ApplyResult(
+        False, False, "duplicate", 1
+    )
+    assert index.apply_events("a", epoch(index, "a"), 0, batch) == ApplyResult(
+        False, False, "stale", 1
+    )
     assert index.stats()["events"]["duplicates"] == 2
     assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
     index.check_integrity()
@@ -264,15 +275,19 @@ def test_gap_needs_resync_and_resync_restores():
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "b", 1, stored((5,), (1,)))
 
-    assert index.apply_events("a", 1, 3, [stored((2,), (3,), parent=1)]) == ApplyResult(
-        False, True, "gap", 1
-    )
+    assert index.apply_events(
+        "a", epoch(index, "a"), 3, [stored((2,), (3,), parent=1)]
+    ) == ApplyResult(False, True, "gap", 1)
     # Until the resync, even the missing batch is refused: the worker's state is unknown.
     late = [PagesRemoved((1,), "evicted")]
-    assert index.apply_events("a", 1, 2, late) == ApplyResult(False, True, "awaiting_resync", 1)
+    assert index.apply_events("a", epoch(index, "a"), 2, late) == ApplyResult(
+        False, True, "awaiting_resync", 1
+    )
 
     snapshot = [stored((0,), (1,)), stored((2, 3), (3, 4), parent=0)]
-    assert index.resync("a", 1, 3, snapshot) == ApplyResult(True, False, "resynced", 3)
+    assert index.resync("a", epoch(index, "a"), 3, snapshot) == ApplyResult(
+        True, False, "resynced", 3
+    )
 
     assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0,)), ("b", (5,))]
     assert spans(index.match(NS, make_tokens(1, 3, 4))) == [("a", (0, 2, 3)), ("b", (5,))]
@@ -290,7 +305,7 @@ def test_gap_needs_resync_and_resync_restores():
 def test_unknown_parent_needs_resync():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0,), (1,)))
-    result = index.apply_events("a", 1, 2, [stored((1,), (2,), parent=42)])
+    result = index.apply_events("a", epoch(index, "a"), 2, [stored((1,), (2,), parent=42)])
     assert result == ApplyResult(False, True, "unknown_parent", 1)
     assert index.num_pages == 1
     index.check_integrity()
@@ -300,7 +315,8 @@ def test_unknown_worker_and_epoch_need_resync():
     index = make_index("a")
     batch = [stored((0,), (1,))]
     assert index.apply_events("z", 1, 1, batch) == ApplyResult(False, True, "unknown_worker", 0)
-    assert index.apply_events("a", 2, 1, batch) == ApplyResult(False, True, "epoch_mismatch", 0)
+    wrong = epoch(index, "a") + 1
+    assert index.apply_events("a", wrong, 1, batch) == ApplyResult(False, True, "epoch_mismatch", 0)
     assert index.resync("z", 1, 1, batch) == ApplyResult(False, True, "unknown_worker", 0)
     assert index.num_pages == 0
     index.check_integrity()
@@ -310,11 +326,11 @@ def test_bad_resync_raises_and_changes_nothing():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0,), (1,)))
     with pytest.raises(ValueError, match="parent page 9 is not stored earlier"):
-        index.resync("a", 1, 5, [stored((1,), (2,), parent=9)])
+        index.resync("a", epoch(index, "a"), 5, [stored((1,), (2,), parent=9)])
     with pytest.raises(ValueError, match=r"pages \[1\] listed twice"):
-        index.resync("a", 1, 5, [stored((1,), (2,)), stored((1,), (3,))])
+        index.resync("a", epoch(index, "a"), 5, [stored((1,), (2,)), stored((1,), (3,))])
     with pytest.raises(ValueError, match="not PagesStored"):
-        index.resync("a", 1, 5, [AllCleared()])  # type: ignore[list-item]
+        index.resync("a", epoch(index, "a"), 5, [AllCleared()])  # type: ignore[list-item]
     assert spans(index.match(NS, make_tokens(1))) == [("a", (0,))]
     apply_ok(index, "a", 2, AllCleared())
     index.check_integrity()
@@ -376,7 +392,7 @@ def test_a_reused_page_id_as_its_only_root_child_keeps_the_root():
 def test_a_page_id_on_its_own_path_is_a_conflict():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
-    result = index.apply_events("a", 1, 2, [stored((0,), (3,), parent=1)])
+    result = index.apply_events("a", epoch(index, "a"), 2, [stored((0,), (3,), parent=1)])
     assert result == ApplyResult(False, True, "page_conflict", 1)
     assert index.num_pages == 2
     index.check_integrity()
@@ -394,20 +410,24 @@ def test_same_prefix_under_a_new_page_id_replaces_the_old_one():
 # ---- workers: epochs and liveness --------------------------------------------------------
 
 
-def test_new_epoch_drops_the_old_epochs_holdings():
+def test_each_registration_is_a_new_epoch_that_drops_the_old_ones_holdings():
     index = make_index("a", "b")
+    first = epoch(index, "a")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "b", 1, stored((0,), (1,)))
 
-    assert index.register("a", epoch=1, node_id="node0", now=1.0) == Registration("a", 1, 1, 0)
-    assert index.register("a", epoch=2, node_id="node1", now=2.0) == Registration("a", 2, 0, 2)
-    assert index.worker_info("a") == WorkerInfo("a", 2, "node1", "cpu", 2.0, 0, 0, False)
+    again = index.register("a", node_id="node1", now=2.0)
+    assert again == Registration("a", again.epoch, 0, 2) and again.epoch > first
+    assert again.epoch > epoch(index, "b") > first  # issued in order, never twice
+    info = WorkerInfo("a", again.epoch, "node1", "cpu", 2.0, 0, 0, False)
+    assert index.worker_info("a") == info
     assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0,))]
-    assert index.apply_events("a", 1, 2, []) == ApplyResult(False, True, "epoch_mismatch", 0)
-    apply_ok(index, "a", 1, stored((3,), (1,)), epoch=2)
+    assert index.apply_events("a", first, 2, []) == ApplyResult(False, True, "epoch_mismatch", 0)
+    apply_ok(index, "a", 1, stored((3,), (1,)))
     assert spans(index.match(NS, make_tokens(1))) == [("a", (3,)), ("b", (0,))]
-    with pytest.raises(ValueError, match="epoch 1 is older than the registered 2"):
-        index.register("a", epoch=1, node_id="node0", now=3.0)
+    with pytest.raises(StaleEpoch, match=f"at epoch {again.epoch}, not {first}: not removed"):
+        index.remove_worker("a", "bye", epoch=first)
+    assert index.remove_worker("a", "bye", epoch=again.epoch) == 1
     index.check_integrity()
 
 
@@ -416,8 +436,9 @@ def test_silent_workers_expire_with_all_their_pages():
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     apply_ok(index, "b", 1, stored((0,), (1,)))
 
-    assert index.heartbeat("a", 1, now=8.0)
-    assert not index.heartbeat("a", 2, now=8.0)  # wrong epoch
+    a, b = epoch(index, "a"), epoch(index, "b")
+    assert index.heartbeat("a", a, now=8.0)
+    assert not index.heartbeat("a", a + 1, now=8.0)  # wrong epoch
     assert index.expire(now=10.0) == []  # b silent exactly the timeout: not past it
     assert index.expire(now=10.5) == ["b"]
     assert index.live_workers() == ["a"]
@@ -427,8 +448,8 @@ def test_silent_workers_expire_with_all_their_pages():
     assert index.expire(now=18.5) == ["a"]
     assert index.match(NS, make_tokens(1, 2)) == MatchResult(0, ())
     assert index.num_pages == 0
-    assert not index.heartbeat("a", 1, now=19.0)
-    assert index.apply_events("b", 1, 2, []) == ApplyResult(False, True, "unknown_worker", 0)
+    assert not index.heartbeat("a", a, now=19.0)
+    assert index.apply_events("b", b, 2, []) == ApplyResult(False, True, "unknown_worker", 0)
     stats = index.stats()
     assert stats["workers_live"] == 0
     assert stats["removed_workers"] == {"expired": 2}
@@ -443,7 +464,7 @@ def test_removed_worker_loses_everything_and_its_slot_is_reused():
     assert index.remove_worker("a", "crashed") == 0
     assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0, 1))]
 
-    index.register("c", epoch=1, node_id="node0", now=0.0)  # takes a's slot
+    index.register("c", node_id="node0", now=0.0)  # takes a's slot
     apply_ok(index, "c", 1, stored((4,), (1,)))
     assert spans(index.match(NS, make_tokens(1))) == [("b", (0,)), ("c", (4,))]
     assert index.stats()["removed_workers"] == {"crashed": 1}
@@ -464,10 +485,75 @@ def test_tenants_never_share_pages():
     assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
     assert index.match(Namespace(NS.model, "lora-1", NS.salt), make_tokens(1)).matched_tokens == 0
 
+    index.name_tenant(NS.salt, "acme")
+    index.name_tenant("tenant-b", "globex")
     tenants = index.stats()["tenants"]
-    assert tenants["tenant-a"]["hit_tokens"] == 2 * P
-    assert tenants["tenant-b"]["hit_tokens"] == P
-    assert tenants["tenant-b"]["miss_tokens"] == 2 * P + P
+    assert tenants["acme"]["hit_tokens"] == 2 * P
+    assert tenants["globex"]["hit_tokens"] == P
+    assert tenants["globex"]["miss_tokens"] == 2 * P + P
+    assert set(tenants) == {"acme", "globex"}  # names, never salts
+    index.check_integrity()
+
+
+def test_statistics_stay_bounded_and_show_no_salts():
+    index = make_index("a", "b", max_tenants=2)
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    index.name_tenant("s0", "zero")
+    for salt in ("s0", "s1", "s2", "s3"):  # s2 and s3 are beyond max_tenants
+        index.match(Namespace("m", "", salt), make_tokens(1), requester="a")
+    index.name_tenant("s2", "two")  # a third name does not fit either
+    index.match(NS, make_tokens(1), requester="nobody")  # not a worker
+    index.match(NS, make_tokens(1), requester="b")
+    index.remove_worker("b", "bye")
+    stats = index.stats()
+    assert {name: c["queries"] for name, c in stats["tenants"].items()} == {
+        "zero": 1,
+        "(unnamed)": 1,
+        "(other)": 4,
+    }
+    assert {w: c["queries"] for w, c in stats["workers"].items()} == {
+        "a": 4,
+        "(unregistered)": 1,
+        "(removed)": 1,
+    }
+    assert stats["cluster"]["queries"] == 6
+    index.check_integrity()
+
+
+def test_a_full_registry_makes_room_only_by_registrations_without_pages():
+    index = make_index("a", now=0.0, max_workers=2)
+    apply_ok(index, "a", 1, stored((0,), (1,)))
+    index.register("b", node_id="node0", now=1.0)
+    index.register("c", node_id="node0", now=2.0)  # b held nothing: it makes room
+    assert index.live_workers() == ["a", "c"]
+    apply_ok(index, "c", 1, stored((0,), (2,)))
+    with pytest.raises(RegistryFull, match="2 workers registered, each holding pages"):
+        index.register("d", node_id="node0", tier="new-tier", now=3.0)
+    assert index.live_workers() == ["a", "c"] and index.stats()["tiers"] == ["cpu"]
+    assert index.stats()["removed_workers"] == {"evicted": 1}
+    index.check_integrity()
+
+
+def test_tier_names_are_forgotten_with_their_last_worker():
+    index = make_index()
+    for i in range(300):
+        index.register("a", node_id="node0", tier=f"tier-{i}", now=0.0)
+    assert index.stats()["tiers"] == ["tier-299"]
+    index.register("b", node_id="node0", tier="tier-299", now=0.0)
+    index.remove_worker("a", "bye")
+    assert index.stats()["tiers"] == ["tier-299"]
+    index.remove_worker("b", "bye")
+    assert index.stats()["tiers"] == []
+    index.check_integrity()
+
+
+def test_a_match_names_at_most_max_spans_holders():
+    index = make_index(*(f"w{i}" for i in range(6)), max_spans=3)
+    for i in range(6):
+        apply_ok(index, f"w{i}", 1, stored((i,), (1,)))
+    result = index.match(NS, make_tokens(1), requester="w5")
+    assert [span.worker_id for span in result.spans] == ["w0", "w1", "w2"]
+    assert index.stats()["workers"]["w5"]["local_hit_tokens"] == P  # still its own hit
     index.check_integrity()
 
 
@@ -529,11 +615,13 @@ def test_stats_are_plain_data():
     def plain(value) -> bool:
         if isinstance(value, dict):
             return all(isinstance(k, str) and plain(v) for k, v in value.items())
+        if isinstance(value, list):
+            return all(isinstance(item, str) for item in value)
         return type(value) in (int, bool)
 
     stats = index.stats()
     assert plain(stats)
-    assert stats["workers"]["ghost"]["live"] is False
+    assert stats["workers"]["(unregistered)"]["live"] is False
     index.check_integrity()
 
 
@@ -707,7 +795,7 @@ def in_thread(call):
 
 
 CALLS = {
-    "register": lambda index: index.register("b", epoch=1, node_id="node0", now=0.0),
+    "register": lambda index: index.register("b", node_id="node0", now=0.0),
     "heartbeat": lambda index: index.heartbeat("a", 1, now=1.0),
     "expire": lambda index: index.expire(now=100.0),
     "remove_worker": lambda index: index.remove_worker("a", "bye"),
@@ -715,6 +803,7 @@ CALLS = {
     "worker_info": lambda index: index.worker_info("a"),
     "apply_events": lambda index: index.apply_events("a", 1, 2, [AllCleared()]),
     "resync": lambda index: index.resync("a", 1, 2, []),
+    "name_tenant": lambda index: index.name_tenant("salt", "acme"),
     "match": lambda index: index.match(NS, make_tokens(1)),
     "match_packed": lambda index: index.match_packed(NS, make_tokens(1)),
     "route": lambda index: index.route(NS, make_tokens(1), {"a": 0.0}),
@@ -834,7 +923,7 @@ class Model:
         self.index = index
         self.held: dict[str, dict[int, tuple[Namespace, tuple, int]]] = {w: {} for w in WORKERS}
         self.seq = dict.fromkeys(WORKERS, 0)
-        self.epoch = dict.fromkeys(WORKERS, 1)
+        self.epoch = {worker: index.worker_info(worker).epoch for worker in WORKERS}
         self.last_batch: dict[str, list] = {w: [] for w in WORKERS}
         self.generation = 0
 
@@ -924,11 +1013,10 @@ class Model:
         assert result == ApplyResult(False, False, "duplicate", seq)  # seq 0 too: nothing yet
 
     def restart(self, worker: str) -> None:
-        self.epoch[worker] += 1
         self.held[worker].clear()
         self.seq[worker] = 0
         self.last_batch[worker] = []
-        self.index.register(worker, self.epoch[worker], "node0", now=0.0)
+        self.epoch[worker] = self.index.register(worker, "node0", now=0.0).epoch
 
     def check(self) -> None:
         self.index.check_integrity()
@@ -977,7 +1065,7 @@ def unpacked(packed: MatchResult) -> MatchResult:
 def run_model(ops: list) -> None:
     index = GlobalIndex(page_tokens=2)
     for worker in WORKERS:
-        index.register(worker, epoch=1, node_id="node0", now=0.0)
+        index.register(worker, node_id="node0", now=0.0)
     model = Model(index)
     for kind, w, a, b, tokens in ops:
         worker = WORKERS[w]

@@ -37,9 +37,9 @@ from cache_service.events import (
     PagesStored,
 )
 from cache_service.messages import (
+    Ack,
     ApplyResult,
     Bye,
-    ByeReply,
     EpochReply,
     ErrorReply,
     GetStats,
@@ -47,9 +47,12 @@ from cache_service.messages import (
     HolderSpan,
     Match,
     MatchResult,
+    NameTenant,
     PackedSpan,
     PublishEvents,
     Register,
+    Registered,
+    ReportDead,
     Resync,
     ResyncReply,
     Route,
@@ -113,7 +116,7 @@ def make_stored(pages: int = 2, page_tokens: int = 4, parent: int | None = None)
 
 
 SAMPLE_REQUESTS = {
-    "register": Register("w0", 3, "node-a", "cpu", "tcp://10.0.0.5:7001"),
+    "register": Register("w0", "node-a", "cpu", "tcp://10.0.0.5:7001"),
     "heartbeat": Heartbeat("w0", 3, 0.25),
     "events": PublishEvents(
         "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
@@ -123,9 +126,11 @@ SAMPLE_REQUESTS = {
     "route": Route(NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}),
     "stats": GetStats(),
     "bye": Bye("w0", 3),
+    "report_dead": ReportDead("w0"),
+    "name_tenant": NameTenant("salt-of-acme", "acme"),
 }
 SAMPLE_REPLIES = {
-    "register": EpochReply(7),
+    "register": Registered(7, 3),
     "heartbeat": EpochReply(7),
     "events": ApplyResult(False, True, "seq 41 after 39", 39),
     "resync": ResyncReply(3),
@@ -138,7 +143,9 @@ SAMPLE_REPLIES = {
     ),
     "route": RouteDecision("w0", 32, -1.5, "prefix"),
     "stats": StatsReply({"hit_rate": 0.5, "workers": {"w0": {"pages": 3}}, "tiers": ["cpu"]}),
-    "bye": ByeReply(),
+    "bye": Ack(),
+    "report_dead": Ack(),
+    "name_tenant": Ack(),
 }
 GOOD_MATCH = Message(MATCH, 99, SAMPLE_REQUESTS["match"])
 GOOD_FRAME = encode(GOOD_MATCH)
@@ -290,7 +297,7 @@ def test_encode_accepts_plain_forms():
         ),
         (
             ok_reply(Message("resync", 3, SAMPLE_REQUESTS["resync"]), SAMPLE_REPLIES["register"]),
-            "resync.reply: body must be ResyncReply, got EpochReply",
+            "resync.reply: body must be ResyncReply, got Registered",
         ),
         (
             Message(ERROR, 3, {"code": BAD_FIELD, "message": "m"}),
@@ -306,7 +313,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 2  # 2: the events reply carries last_seq
+    assert PROTOCOL_VERSION == 3  # 3: service-issued epochs, packed event page ids
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -361,10 +368,11 @@ def test_a_match_result_round_trips():
 
     index = GlobalIndex(page_tokens=4)
     for worker in ("a", "b"):
-        index.register(worker, epoch=1, node_id="node0", tier="gpu", now=0.0)
+        index.register(worker, node_id="node0", tier="gpu", now=0.0)
     tokens = make_tokens(12)
-    index.apply_events("a", 1, 1, [PagesStored(NS, None, (7, 8, 9), (1, 2, 3), tuple(tokens))])
-    index.apply_events("b", 1, 1, [PagesStored(NS, None, (4,), (2**40,), tuple(tokens[:4]))])
+    a, b = index.worker_info("a").epoch, index.worker_info("b").epoch
+    index.apply_events("a", a, 1, [PagesStored(NS, None, (7, 8, 9), (1, 2, 3), tuple(tokens))])
+    index.apply_events("b", b, 1, [PagesStored(NS, None, (4,), (2**40,), tuple(tokens[:4]))])
     result = index.match(NS, pack_tokens(tokens + [99]), requester="b")
     assert type(result) is MatchResult
     got = decode(encode(ok_reply(GOOD_MATCH, result), check=False), "reply").body
@@ -444,7 +452,6 @@ REQUEST_BODIES = {
     "register": st.builds(
         Register,
         worker_id=names,
-        epoch=counts,
         node_id=names,
         tier=names,
         address=st.text(max_size=30),
@@ -483,9 +490,11 @@ REQUEST_BODIES = {
     ),
     "stats": st.builds(GetStats),
     "bye": st.builds(Bye, worker_id=names, epoch=counts),
+    "report_dead": st.builds(ReportDead, worker_id=names),
+    "name_tenant": st.builds(NameTenant, salt=names, name=names),
 }
 REPLY_BODIES = {
-    "register": st.builds(EpochReply, service_epoch=counts),
+    "register": st.builds(Registered, service_epoch=counts, epoch=counts),
     "heartbeat": st.builds(EpochReply, service_epoch=counts),
     "events": st.builds(
         ApplyResult,
@@ -510,7 +519,9 @@ REPLY_BODIES = {
     "stats": st.builds(
         StatsReply, stats=st.dictionaries(st.text(max_size=8), stats_values, max_size=4)
     ),
-    "bye": st.builds(ByeReply),
+    "bye": st.builds(Ack),
+    "report_dead": st.builds(Ack),
+    "name_tenant": st.builds(Ack),
 }
 
 
@@ -544,11 +555,11 @@ def test_generated_messages_round_trip(msg):
 @pytest.mark.parametrize(
     "event, wire",
     [
-        (PagesRemoved((4, 5), "cleared"), ["r", [4, 5], "cleared"]),
+        (PagesRemoved((4, 5), "cleared"), ["r", struct.pack("<2i", 4, 5), "cleared"]),
         (AllCleared(), ["c"]),
         (
-            PagesStored(NS, 3, (4,), (9,), (7, 8)),
-            ["s", list(NS), 3, [4], [9], pack_tokens([7, 8])],
+            PagesStored(NS, 3, (4,), (2**40,), (7, 8)),
+            ["s", list(NS), 3, struct.pack("<i", 4), struct.pack("<q", 2**40), pack_tokens([7, 8])],
         ),
     ],
 )
@@ -570,7 +581,18 @@ def test_stored_chain_keeps_its_packed_tokens():
         check_stored(event, 2)
 
 
-GOOD_STORED = ["s", ["m", "", ""], None, [1, 2], [0, 0], pack_tokens(make_tokens(8))]
+def i32(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def i64(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+NS_WIRE = ["m", "", ""]
+TOKENS8 = pack_tokens(make_tokens(8))
+TOP_BIT = struct.pack("<I", 2**31)  # as int32: negative
+GOOD_STORED = ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), TOKENS8]
 BAD_EVENTS = [
     [],
     "s",
@@ -579,32 +601,36 @@ BAD_EVENTS = [
     ["x"],
     [1, 2],
     ["c", 1],
-    ["r", [1]],
-    ["r", [1], "evicted", 0],
-    ["r", [1], "bogus"],
-    ["r", [1], None],
-    ["r", [], "evicted"],
-    ["r", [-1], "evicted"],
-    ["r", [True], "evicted"],
-    ["r", [2**31], "evicted"],  # page ids are int32
+    ["r", i32(1)],
+    ["r", i32(1), "evicted", 0],
+    ["r", i32(1), "bogus"],
+    ["r", i32(1), None],
+    ["r", b"", "evicted"],  # no page
+    ["r", i32(-1), "evicted"],
+    ["r", TOP_BIT, "evicted"],  # page ids are non-negative int32
+    ["r", [1], "evicted"],  # a list of ints: page ids travel packed
     ["r", "ab", "evicted"],
+    ["r", i32(1)[:3], "evicted"],  # not a whole int32
     GOOD_STORED[:5],
     [*GOOD_STORED, 0],
     ["s", ["m", ""], *GOOD_STORED[2:]],
     ["s", ["m", "", 1], *GOOD_STORED[2:]],
-    ["s", ["m", "", ""], -1, *GOOD_STORED[3:]],
-    ["s", ["m", "", ""], True, *GOOD_STORED[3:]],
-    ["s", ["m", "", ""], 2**31, *GOOD_STORED[3:]],
-    ["s", ["m", "", ""], None, [1, 2**31], *GOOD_STORED[4:]],
-    ["s", ["m", "", ""], None, [], [], b""],
-    ["s", ["m", "", ""], None, [1, 2], [0], GOOD_STORED[5]],
-    ["s", ["m", "", ""], None, [1, 2], [0, -1], GOOD_STORED[5]],
-    ["s", ["m", "", ""], None, [1, [2]], [0, 0], GOOD_STORED[5]],
-    ["s", ["m", "", ""], None, [1, 2], [0, 0], GOOD_STORED[5][:7]],
-    ["s", ["m", "", ""], None, [1, 2], [0, 0], pack_tokens([1, 2, 3])],
-    ["s", ["m", "", ""], None, [1, 2], [0, 0], b""],
-    ["s", ["m", "", ""], None, [1, 2], [0, 0], "tokens"],
-    ["s", ["m", "", ""], None, [1, 2], [0, 0], [1, 2]],
+    ["s", NS_WIRE, -1, *GOOD_STORED[3:]],
+    ["s", NS_WIRE, True, *GOOD_STORED[3:]],
+    ["s", NS_WIRE, 2**31, *GOOD_STORED[3:]],
+    ["s", NS_WIRE, None, i32(1) + TOP_BIT, *GOOD_STORED[4:]],
+    ["s", NS_WIRE, None, b"", b"", b""],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0), TOKENS8],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, -1), TOKENS8],
+    ["s", NS_WIRE, None, [1, 2], i64(0, 0), TOKENS8],
+    ["s", NS_WIRE, None, i32(1, 2), [0, 0], TOKENS8],
+    ["s", NS_WIRE, None, i32(1, 2)[:7], i64(0, 0), TOKENS8],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0)[:12], TOKENS8],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), TOKENS8[:7]],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), pack_tokens([1, 2, 3])],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), b""],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), "tokens"],
+    ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), [1, 2]],
 ]
 
 
@@ -896,6 +922,22 @@ def test_malformed_spans_are_named(span, code, message):
     assert re.match(r"match\.reply(\.spans)?" + message, error.message), error.message
 
 
+def test_the_lists_and_maps_of_a_frame_are_bounded_all_together():
+    limits = Limits(max_containers=40)
+    # 39 containers: the envelope, the body, the events list, 18 events of 2 (list and
+    # namespace): 3 + 36 = 39; and one more event is over.
+    fits = PublishEvents("w0", 1, 1, [make_stored(1) for _ in range(18)])
+    assert decode(encode(request(3, fits)), limits=limits).body == fits
+    over = fits._replace(events=[make_stored(1) for _ in range(19)])
+    error = assert_rejected_with(encode(request(3, over)), limits)
+    assert error.code == TOO_LARGE and error.request_id == 3
+    assert "more than max_containers 40 lists and maps" in error.message
+    # Both decoders count: a long list (over the one-pass decoder's 128) takes the other.
+    many = over._replace(events=[PagesRemoved((i,), "evicted") for i in range(200)])
+    assert assert_rejected_with(encode(request(4, many)), limits).code == TOO_LARGE
+    assert decode(encode(request(4, many))).body == many  # within the default budget
+
+
 def test_span_counts_are_bounded():
     limits = Limits(max_tokens=4, max_list_len=5)
     span = ["w", "cpu", struct.pack("<4i", 0, 1, 2, 3), struct.pack("<4q", 0, 0, 0, 0)]
@@ -949,6 +991,7 @@ def test_limits_are_validated():
         "max_str_len": 256,
         "max_text_len": 4096,
         "max_depth": 8,
+        "max_containers": 16384,
     }
     with pytest.raises(ValueError, match="max_depth 4 is below 5"):
         Limits(max_depth=4)
@@ -964,8 +1007,8 @@ def test_limits_are_validated():
 @pytest.mark.parametrize(
     "frame, code",
     [
-        (raw_frame(MATCH, {}, v=1), BAD_VERSION),  # the version before last_seq
-        (raw_frame(MATCH, {}, v=3), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=2), BAD_VERSION),  # the version before service epochs
+        (raw_frame(MATCH, {}, v=4), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

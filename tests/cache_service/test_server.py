@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service import protocol
+from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace
 from cache_service.index import OwnerError
 from cache_service.messages import GetStats, StatsReply
-from cache_service.server import CurveKeys, ServerConfig, make_server
+from cache_service.server import ServerConfig, make_server
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.page_pool import PagePool
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -269,39 +270,29 @@ def test_late_reply_to_an_earlier_try_is_dropped():
     router.close(linger=0)
 
 
-def test_curve_server_refuses_clients_without_its_key():
-    keys = CurveKeys.generate()
-    srv = make_server(ServerConfig(page_tokens=P), curve=keys)
+def test_a_curve_server_admits_only_the_keys_of_its_mesh():
+    keys = MeshKeys.generate(["w0"])
+    srv = make_server(ServerConfig(page_tokens=P), keys=keys.server_keys())
     srv.start()
     try:
-        good = ServiceClient(ServiceEndpoint(srv.address, keys.public), timeout_s=1.0)
-        assert "cluster" in good.stats()
-        plain = ServiceClient(ServiceEndpoint(srv.address), timeout_s=0.2, retries=0)
-        with pytest.raises(ServiceUnavailable):
-            plain.stats()
-        wrong = ServiceClient(
-            ServiceEndpoint(srv.address, zmq.curve_keypair()[0]), timeout_s=0.2, retries=0
-        )
-        with pytest.raises(ServiceUnavailable):
-            wrong.stats()
-    finally:
-        srv.stop()
-
-
-def test_curve_allow_list_admits_only_listed_clients():
-    allowed_public, allowed_secret = zmq.curve_keypair()
-    keys = CurveKeys.generate(allowed_clients=(allowed_public,))
-    srv = make_server(ServerConfig(page_tokens=P), curve=keys)
-    srv.start()
-    try:
-        endpoint = ServiceEndpoint(srv.address, keys.public)
-        listed = ServiceClient(
-            endpoint, timeout_s=1.0, client_keys=(allowed_public, allowed_secret)
-        )
-        assert "cluster" in listed.stats()
-        stranger = ServiceClient(endpoint, timeout_s=0.3, retries=0)
-        with pytest.raises(ServiceUnavailable):
-            stranger.stats()
+        endpoint = ServiceEndpoint(srv.address, keys.service.public)
+        member = ServiceClient(endpoint, timeout_s=1.0, client_keys=keys.front_door)
+        assert "cluster" in member.stats()
+        member.close()
+        outsiders = [
+            ServiceClient(ServiceEndpoint(srv.address), timeout_s=0.2, retries=0),  # plain
+            ServiceClient(endpoint, timeout_s=0.2, retries=0),  # a fresh key of its own
+            ServiceClient(  # the wrong server key
+                ServiceEndpoint(srv.address, KeyPair.generate().public),
+                timeout_s=0.2,
+                retries=0,
+                client_keys=keys.front_door,
+            ),
+        ]
+        for outsider in outsiders:
+            with pytest.raises(ServiceUnavailable):
+                outsider.stats()
+            outsider.close()
     finally:
         srv.stop()
 

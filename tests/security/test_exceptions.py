@@ -16,7 +16,7 @@ import pytest
 import cache_service
 import cluster
 import workers
-from cache_service.index import OwnerError
+from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
 from workers.client import ServiceError, ServiceUnavailable
@@ -35,6 +35,8 @@ SAMPLES = [
     (ProtocolError("bad_field", "match.tokens: 3 bytes", 7), ("code", "message", "request_id")),
     (ServiceUnavailable("no reply"), ()),
     (OwnerError("owned by another thread"), ()),
+    (StaleEpoch("worker 'w0' is at epoch 7, not 6"), ()),
+    (RegistryFull("1024 workers registered, each holding pages"), ()),
     (ConfigError("unknown key 'x'"), ()),
     (CacheFull("40 tokens do not fit"), ()),
     (PageStoreError("closed"), ()),
