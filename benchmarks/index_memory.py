@@ -44,7 +44,7 @@ def measure_bytes_per_page(n_pages: int, page_tokens: int = 16) -> float:
     try:
         before = tracemalloc.get_traced_memory()[0]
         index = GlobalIndex(page_tokens=page_tokens)
-        index.register("w0", epoch=1, node_id="n0", now=0.0)
+        epoch = index.register("w0", node_id="n0", now=0.0).epoch
         for seq, first in enumerate(range(0, n_pages, CHAIN_PAGES), start=1):
             count = min(CHAIN_PAGES, n_pages - first)
             event = PagesStored(
@@ -54,7 +54,7 @@ def measure_bytes_per_page(n_pages: int, page_tokens: int = 16) -> float:
                 (0,) * count,
                 tuple(rng.integers(0, VOCAB, size=count * page_tokens).tolist()),
             )
-            index.apply_events("w0", 1, seq, [event])
+            index.apply_events("w0", epoch, seq, [event])
             del event
         assert index.num_pages == n_pages, f"{index.num_pages} pages indexed, {n_pages} stored"
         used = tracemalloc.get_traced_memory()[0] - before

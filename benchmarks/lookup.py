@@ -65,8 +65,9 @@ def build_index(prompts: np.ndarray) -> GlobalIndex:
     next_page = [0] * WORKERS
     system_tail: list[dict[int, int]] = [{} for _ in range(WORKERS)]
     seq = [0] * WORKERS
+    epochs: list[int] = []
     for w in range(WORKERS):
-        index.register(f"w{w}", 1, "node-0")
+        epochs.append(index.register(f"w{w}", "node-0").epoch)
     for j, prompt in enumerate(prompts):
         w, s = j % WORKERS, j % SYSTEM_PROMPTS
         events = []
@@ -79,7 +80,7 @@ def build_index(prompts: np.ndarray) -> GlobalIndex:
         next_page[w] += suffix_pages
         events.append(_stored(system_tail[w][s], ids, prompt[SYSTEM_TOKENS:]))
         seq[w] += 1
-        result = index.apply_events(f"w{w}", 1, seq[w], events)
+        result = index.apply_events(f"w{w}", epochs[w], seq[w], events)
         assert result.applied, result
     return index
 

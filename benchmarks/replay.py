@@ -85,7 +85,6 @@ TRACE_BLOCK_TOKENS = 512  # a Mooncake hash id covers 512 tokens
 VOCAB = 49_152  # SmolLM2's vocabulary size
 NAMESPACE = Namespace("replay")
 LOAD_WINDOW = 64  # requests: long enough to smooth one long prompt, short enough to react
-EPOCH = 1
 _MAX_HASH_ID = 2**63 - 1
 
 # splitmix64 constants
@@ -325,8 +324,10 @@ class _Cluster:
             for worker_id in self.worker_ids
         }
         self.index = GlobalIndex(page_tokens=page_tokens)
-        for worker_id in self.worker_ids:
-            self.index.register(worker_id, EPOCH, node_id="replay", now=0.0)
+        self.epochs = {
+            worker_id: self.index.register(worker_id, node_id="replay", now=0.0).epoch
+            for worker_id in self.worker_ids
+        }
         self.seqs = dict.fromkeys(self.worker_ids, 0)
         self.requests = dict.fromkeys(self.worker_ids, 0)
         self.computed = dict.fromkeys(self.worker_ids, 0)
@@ -365,7 +366,8 @@ class _Cluster:
         if not events:
             return
         self.seqs[worker_id] += 1
-        result = self.index.apply_events(worker_id, EPOCH, self.seqs[worker_id], events)
+        epoch = self.epochs[worker_id]
+        result = self.index.apply_events(worker_id, epoch, self.seqs[worker_id], events)
         if not result.applied:
             raise RuntimeError(f"index refused {worker_id}'s events: {result}")
 
