@@ -19,6 +19,7 @@ import yaml
 from cache_service.addresses import check_bind_host
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
+from workers.transfer import ENCRYPT_PAGES_DEFAULT
 
 
 class ConfigError(ValueError):
@@ -127,8 +128,9 @@ class SecurityConfig:
     # Off only on a network nobody else can reach (e.g. one machine in a test).
     auth: bool = True
     # Whether page bytes between nodes are encrypted too (CurveZMQ); when not, page
-    # requests are still signed with the mesh secret. See workers.transfer for the cost.
-    encrypt_pages: bool = False
+    # requests are still signed with the mesh secret. The default and its cost:
+    # workers.transfer.ENCRYPT_PAGES_DEFAULT.
+    encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,21 @@ wrapped inside, and writes their KV. Another process on the same node attaches b
 and reads pages straight out of the same memory, with no serialisation. Each page has a
 generation counter, also in shared memory, that changes whenever the owner frees or
 rewrites the page; a reader checks it before and after a copy, so a page reused under its
-feet is reported stale instead of being served as wrong KV.
+feet is reported stale instead of being served as wrong KV. Each page also has a digest
+(`workers.digests`) of the namespace, KV format and token chain it was computed from,
+recorded when it is published and cleared when it is freed or rewritten; a reader that
+passes the digests it expects gets only pages that hold what it asked for.
 
-Segment format (one file in /dev/shm per store, little-endian):
+Segment format (one file in /dev/shm per store, little-endian), version 2:
 
     offset 0                 header: magic, format version, layout, region offsets
     offset 4096              num_pages int64 generation counters (padded to 4096)
+    offset digests_offset    num_pages x 16-byte digests, all zeros where none is
+                             recorded (padded to 4096)
     offset data_offset       pages: (num_pages, num_layers, 2 [k,v], num_kv_heads,
                                      page_tokens, head_dim) in the layout's dtype
+
+Version 1 had no digest region; a reader refuses any version but its own.
 
 Segments are named `kvmesh-{pid}-{start_time}-{tag}` after their owner, so the segments
 of a killed worker can be found and reclaimed (`reclaim_dead_segments`). The start time
@@ -40,12 +47,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from workers.page_pool import PagePool
+from workers.digests import DIGEST_BYTES
+from workers.page_pool import PagePool, digest_rows
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvmesh-"
 MAGIC = b"KVMESH01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a digest region after the generations
 
 # Regions start on a page boundary so both views are aligned for any dtype and the data
 # region can later be registered (pinned) for DMA as a whole.
@@ -53,8 +61,8 @@ _ALIGN = 4096
 HEADER_BYTES = 4096
 
 # magic, version, num_pages, num_layers, num_kv_heads, page_tokens, head_dim, dtype_code,
-# generations_offset, data_offset, total_bytes
-_HEADER = struct.Struct("<8s10q")
+# generations_offset, digests_offset, data_offset, total_bytes
+_HEADER = struct.Struct("<8s11q")
 
 # Codes are part of the segment format: never renumber, only append.
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -121,10 +129,20 @@ class StoreLayout:
     def page_bytes(self) -> int:
         return math.prod(self.page_shape) * self.torch_dtype.itemsize
 
+    @property
+    def kv_format(self) -> str:
+        """What a page's bytes mean, as a stable string; it enters every page digest, so
+        pages of another shape or dtype never match. The page count is left out: it
+        changes the store, not what a page holds."""
+        return (
+            f"kv1:layers={self.num_layers}:kv_heads={self.num_kv_heads}:"
+            f"head_dim={self.head_dim}:page_tokens={self.page_tokens}:dtype={self.dtype}"
+        )
+
 
 class ValidatedCopy(NamedTuple):
     """Result of `copy_pages_validated`: `valid[i]` says whether row i of `out` holds
-    the page as it was at its expected generation."""
+    the page as it was at its expected generation (and with its expected digest)."""
 
     valid: list[bool]
 
@@ -135,6 +153,7 @@ class ValidatedCopy(NamedTuple):
 
 class _Regions(NamedTuple):
     generations_offset: int
+    digests_offset: int
     data_offset: int
     total_bytes: int
 
@@ -154,8 +173,10 @@ def _align(n: int) -> int:
 
 
 def _regions(layout: StoreLayout) -> _Regions:
-    data_offset = HEADER_BYTES + _align(layout.num_pages * 8)
-    return _Regions(HEADER_BYTES, data_offset, data_offset + layout.num_pages * layout.page_bytes)
+    digests_offset = HEADER_BYTES + _align(layout.num_pages * 8)
+    data_offset = digests_offset + _align(layout.num_pages * DIGEST_BYTES)
+    total_bytes = data_offset + layout.num_pages * layout.page_bytes
+    return _Regions(HEADER_BYTES, digests_offset, data_offset, total_bytes)
 
 
 def _pack_header(layout: StoreLayout) -> bytes:
@@ -174,7 +195,9 @@ def _pack_header(layout: StoreLayout) -> bytes:
 
 
 def _unpack_header(name: str, raw: bytes) -> StoreLayout:
-    magic, version, *fields, dtype_code, gen_off, data_off, total = _HEADER.unpack(raw)
+    values = _HEADER.unpack(raw)
+    magic, version, *fields, dtype_code = values[:8]  # fields: the layout's five sizes
+    offsets = _Regions(*values[8:])
     if magic != MAGIC:
         raise SegmentFormatError(
             f"segment {name!r}: bad magic {magic!r}, expected {MAGIC!r} "
@@ -191,9 +214,9 @@ def _unpack_header(name: str, raw: bytes) -> StoreLayout:
         layout = StoreLayout(*fields, dtype=dtypes[dtype_code])
     except ValueError as e:
         raise SegmentFormatError(f"segment {name!r}: bad layout in header: {e}") from None
-    if (gen_off, data_off, total) != _regions(layout):
+    if offsets != _regions(layout):
         raise SegmentFormatError(
-            f"segment {name!r}: region offsets {(gen_off, data_off, total)} "
+            f"segment {name!r}: region offsets {tuple(offsets)} "
             f"do not match its layout {tuple(_regions(layout))}"
         )
     return layout
@@ -282,7 +305,7 @@ class SharedPageStore:
     """KV pages in shared memory, owned by one process and readable by its peers.
 
     Implements the `PageAllocator` protocol of `workers.page_pool` for the owner. An
-    attached store is a reader: it may read pages and generations, and anything that
+    attached store is a reader: it may read pages, generations and digests, and anything that
     would change pages raises `NotOwnerError` (its mapping is read-only as well, so a
     write through a page view faults instead of corrupting the owner's KV).
 
@@ -301,6 +324,13 @@ class SharedPageStore:
         self._generations = np.frombuffer(
             mm, dtype="<i8", count=layout.num_pages, offset=regions.generations_offset
         )
+        # (num_pages, DIGEST_BYTES); zeros (EMPTY_DIGEST) on a fresh segment
+        self._digests = np.frombuffer(
+            mm,
+            dtype=np.uint8,
+            count=layout.num_pages * DIGEST_BYTES,
+            offset=regions.digests_offset,
+        ).reshape(layout.num_pages, DIGEST_BYTES)
         with warnings.catch_warnings():
             # A reader's mapping is read-only by design; torch only warns that it cannot
             # mark the tensor so.
@@ -315,7 +345,14 @@ class SharedPageStore:
         self._pages: torch.Tensor | None = flat.view(layout.num_pages, *layout.page_shape)
         # Only the owner keeps a free list; a reader's would claim every page is free.
         self._pool: PagePool | None = (
-            PagePool(layout.num_pages, generations=self._generations) if is_owner else None
+            PagePool(
+                layout.num_pages,
+                generations=self._generations,
+                digests=self._digests,
+                kv_format=layout.kv_format,
+            )
+            if is_owner
+            else None
         )
         self._unlink_finalizer = (
             weakref.finalize(self, _unlink_segment, os.path.join(SHM_DIR, name), os.getpid())
@@ -443,6 +480,11 @@ class SharedPageStore:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def kv_format(self) -> str:
+        """Its layout's `kv_format`: what the page bytes mean, a root of every digest."""
+        return self._layout.kv_format
+
     # -- PageAllocator (owner only, except num_pages and generation) --------------------
 
     @property
@@ -474,7 +516,8 @@ class SharedPageStore:
         return self._owner_pool("allocate").allocate(n)
 
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the free list, bumping each page's generation in shared memory.
+        """Return pages to the free list, bumping each page's generation in shared memory
+        and then clearing its digest.
 
         Args:
             pages: allocated page ids.
@@ -496,7 +539,8 @@ class SharedPageStore:
 
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` token slots of every layer, K/V and head of `src`
-        into `dst`, and bump `dst`'s generation. Slots past `num_tokens` are untouched.
+        into `dst`, bump `dst`'s generation and clear its digest. Slots past `num_tokens`
+        are untouched.
 
         Args:
             src: an allocated page to copy from.
@@ -515,7 +559,7 @@ class SharedPageStore:
         if not 0 <= num_tokens <= self._layout.page_tokens:
             raise ValueError(f"num_tokens {num_tokens} outside [0, {self._layout.page_tokens}]")
         pages = self._live_pages()
-        pool.bump_generation(dst)  # before the write: see write_page
+        pool.bump_generation(dst)  # and clears the digest, before the write: see write_page
         # page: (num_layers, 2, num_kv_heads, page_tokens, head_dim)
         pages[dst, ..., :num_tokens, :].copy_(pages[src, ..., :num_tokens, :])
 
@@ -547,7 +591,8 @@ class SharedPageStore:
         return self._live_pages()[start:stop]
 
     def write_page(self, page: int, kv: torch.Tensor) -> None:
-        """Overwrite one allocated page with `kv`, bumping its generation.
+        """Overwrite one allocated page with `kv`, bumping its generation and clearing its
+        digest (the page holds something else now; whoever publishes it records anew).
 
         Args:
             page: an allocated page id.
@@ -570,6 +615,9 @@ class SharedPageStore:
         # same time reads the generation again after its copy, so it sees the bump of
         # any write that could have torn its copy. (Expected generations must be taken
         # once a write has returned, as the owner does when it publishes a page.)
+        # The digest is cleared after the bump and before the bytes move: a reader that
+        # still sees the old digest after its copy either also sees the bump in its
+        # second generation read, or copied the old bytes, which the old digest names.
         pool.bump_generation(page)
         self._live_pages()[page].copy_(kv)
 
@@ -603,8 +651,48 @@ class SharedPageStore:
         index = self._index(page_ids)
         return self._live_generations()[index.numpy()].tolist()
 
+    def set_digest(self, page: int, digest: bytes) -> None:
+        """Record what an allocated page holds (`workers.digests`), visible to readers.
+
+        Call it once the page's KV bytes are final, as the prefix cache does at publish: a
+        reader trusts bytes it copied after seeing the digest. Any later free or rewrite
+        of the page clears it again.
+
+        Args:
+            page: an allocated page id.
+            digest: `DIGEST_BYTES` bytes, not `EMPTY_DIGEST`.
+
+        Raises:
+            ValueError: the page is out of range or free, or the digest is not 16 bytes
+                or is the empty digest.
+            NotOwnerError: called on an attached store.
+        """
+        self._owner_pool("set_digest").set_digest(page, digest)
+
+    def set_digests(self, pages: Sequence[int], digests: Sequence[bytes]) -> None:
+        """`set_digest` for several pages at once, `digests[i]` for `pages[i]`.
+
+        Raises:
+            ValueError: what `set_digest` raises, or lengths that differ; then nothing is
+                recorded.
+            NotOwnerError: called on an attached store.
+        """
+        self._owner_pool("set_digests").set_digests(pages, digests)
+
+    def digests(self, page_ids: Sequence[int]) -> list[bytes]:
+        """The recorded digests of some pages, in order; `EMPTY_DIGEST` where none is.
+
+        Raises:
+            ValueError: a page is out of range.
+        """
+        return digest_rows(self._live_digests(), page_ids, self.num_pages)
+
     def copy_pages_validated(
-        self, page_ids: Sequence[int], expected_generations: Sequence[int], out: torch.Tensor
+        self,
+        page_ids: Sequence[int],
+        expected_generations: Sequence[int],
+        out: torch.Tensor,
+        digests: Sequence[bytes] | None = None,
     ) -> ValidatedCopy:
         """Copy pages into `out` and report which copies can be trusted.
 
@@ -616,17 +704,35 @@ class SharedPageStore:
         second read. (Plain loads suffice on x86, where loads are not reordered with other
         loads; weakly ordered CPUs would need a fence between the reads and the copy.)
 
+        With `digests`, a page is valid only if it also records the digest the caller
+        expects, read twice:
+
+            generations | digests | copy | digests | generations
+               before     before            after     after
+
+        - after the copy, before the second generation read: the owner clears a digest
+          only after it bumps the generation, so an old digest seen here belongs to bytes
+          that the second generation read proves unchanged;
+        - before the copy too: the owner records a digest only once the bytes are final,
+          and the model writes a page's KV without bumping its generation (a fresh page
+          is bumped when it was last freed). A page an index advertised before its owner
+          published it may be mid-write; seen empty before the copy, it is refused,
+          where a digest set during the copy would otherwise vouch for torn bytes.
+
         Args:
             page_ids: pages to copy.
             expected_generations: one expected generation per page.
             out: CPU tensor `(len(page_ids), *page_shape)` of the store's dtype; rows whose
                 page is invalid hold garbage and must be recomputed.
+            digests: None, or one expected `DIGEST_BYTES` digest per page (the requester's
+                own, from `workers.digests.page_digests` over its prompt).
 
         Returns:
             `ValidatedCopy(valid)`, one bool per page.
 
         Raises:
-            ValueError: mismatched lengths, a page out of range, or a bad `out`.
+            ValueError: mismatched lengths, a digest not 16 bytes, a page out of range, or
+                a bad `out`.
         """
         index = self._index(page_ids)
         if len(expected_generations) != len(index):
@@ -634,10 +740,14 @@ class SharedPageStore:
                 f"{len(expected_generations)} expected generations for {len(index)} pages"
             )
         self._check_out(out, len(index))
+        wanted = None if digests is None else self._expected_digests(digests, len(index))
         expected = np.asarray(expected_generations, dtype=np.int64)
         generations = self._live_generations()
+        recorded = self._live_digests()
         rows = index.numpy()
         before = generations[rows]  # fancy indexing: a copy, not a view
+        if wanted is not None:
+            digests_before = recorded[rows]
         pages = self._live_pages()
         # Runs of consecutive pages copy as plain slices (a memcpy each); index_select
         # gathers row by row and is markedly slower on large pages.
@@ -645,8 +755,15 @@ class SharedPageStore:
         for length, first in _runs(rows):
             out[offset : offset + length].copy_(pages[first : first + length])
             offset += length
+        valid = before == expected
+        if wanted is not None:
+            digests_after = recorded[rows]
+            valid &= (digests_before == wanted).all(axis=1)
+            valid &= (digests_after == wanted).all(axis=1)
+            valid &= wanted.any(axis=1)  # expecting EMPTY_DIGEST vouches for nothing
         after = generations[rows]
-        return ValidatedCopy(((before == expected) & (after == expected)).tolist())
+        valid &= after == expected
+        return ValidatedCopy(valid.tolist())
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -674,6 +791,7 @@ class SharedPageStore:
         self._pool = None
         self._pages = None
         self._generations = None
+        self._digests = None
         mm, self._mm = self._mm, None
         # BufferError: a caller still holds a page view (or a tensor made from one).
         # Unmapping now would leave it dangling; the mapping goes when the last view does.
@@ -697,7 +815,8 @@ class SharedPageStore:
         """Raise AssertionError unless the store is consistent.
 
         Checks that the mapping is open, that the header in shared memory still describes
-        this store's layout, and (for the owner) the free list's integrity.
+        this store's layout, and (for the owner) the free list's integrity and that every
+        free page records the empty digest.
         """
         assert not self._closed and self._mm is not None, f"store {self._name!r} is closed"
         header = self._mm[: _HEADER.size]
@@ -722,6 +841,23 @@ class SharedPageStore:
         self._require_open()
         assert self._generations is not None
         return self._generations
+
+    def _live_digests(self) -> np.ndarray:
+        self._require_open()
+        assert self._digests is not None
+        return self._digests
+
+    @staticmethod
+    def _expected_digests(digests: Sequence[bytes], n: int) -> np.ndarray:
+        """The caller's expected digests as `(n, DIGEST_BYTES)` uint8."""
+        if len(digests) != n:
+            raise ValueError(f"{len(digests)} expected digests for {n} pages")
+        for i, digest in enumerate(digests):
+            if len(digest) != DIGEST_BYTES:
+                raise ValueError(
+                    f"digest must be {DIGEST_BYTES} bytes, got {len(digest)} (page {i})"
+                )
+        return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(n, DIGEST_BYTES)
 
     def _owner_pool(self, what: str) -> PagePool:
         self._require_open()

@@ -29,6 +29,12 @@ One acquire lays out a request's pages like this:
 Page accounting: every page is free (in the allocator), cached (in the trie, no
 references) or in use (referenced by a live allocation, as a trie node or privately);
 `check_integrity()` proves free + cached + in-use == total.
+
+Digests: when a page becomes shareable, its chain digest (`workers.digests`: namespace,
+the allocator's KV format, every token up to the end of the page) is computed from its
+parent node's, kept on its node and recorded with the allocator, so a peer copying the page
+can check it holds what the peer asked for. Pending, private, copy-on-write and unpublished
+decode pages record none (`EMPTY_DIGEST`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import NamedTuple
 from cache_service.events import AllCleared, KvEvent, Namespace, PagesRemoved, PagesStored
 from cache_service.tokens import TOKEN_BYTES as _TOKEN_BYTES
 from cache_service.tokens import pack_tokens, token_tuple
+from workers.digests import EMPTY_DIGEST, extend_chain, next_digest, root_digest
 from workers.eviction import EVICTION_POLICIES, make_eviction_policy
 from workers.page_pool import PageAllocator
 
@@ -112,6 +119,7 @@ class _Node:
         "hits",
         "heap_version",
         "alive",
+        "digest",
     )
 
     def __init__(self, key, page: int | None, parent: _Node | None, node_id: int):
@@ -132,6 +140,9 @@ class _Node:
         self.hits = 0
         self.heap_version = 0
         self.alive = True
+        # The chain digest of the page, set when it is published (a root's at creation):
+        # a child's digest is one hash of this and its key, never a walk from the root.
+        self.digest: bytes | None = None
 
     def child(self, key: bytes) -> _Node | None:
         return None if self.children is None else self.children.get(key)
@@ -301,6 +312,10 @@ class PrefixCache:
         self.config = config or PrefixCacheConfig()
         self.page_tokens = self.config.page_tokens
         self._allocator = allocator
+        # An allocator that keeps no digests (none of ours) still gets digests on its
+        # nodes; there is just nothing to record them in.
+        self._kv_format: str = getattr(allocator, "kv_format", "")
+        self._set_digests = getattr(allocator, "set_digests", None)
         self._policy = make_eviction_policy(self.config.eviction_policy)
         self._lock = threading.RLock()
         self._roots: dict[Namespace, _Node] = {}
@@ -614,9 +629,17 @@ class PrefixCache:
             newly.append(node)
         if not newly:
             return 0
-        for node in newly:
-            node.ready = True
+        # `newly` is a chain: each node's parent is the one before it, and the first's is
+        # published (or the root), so one hash per page extends its parent's digest.
         parent = newly[0].parent
+        digests = extend_chain(parent.digest, [node.key for node in newly])
+        for node, digest in zip(newly, digests, strict=True):
+            node.ready = True
+            node.digest = digest
+        if self._set_digests is not None:
+            # After the KV is final (the caller's publish says so), before any peer can
+            # hear of the pages: the event below is what announces them.
+            self._set_digests([node.page for node in newly], digests)
         self._events.append(self._stored_event(allocation.namespace, parent.page, newly))
         self._stats.published_pages += len(newly)
         return len(newly)
@@ -720,6 +743,7 @@ class PrefixCache:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = _Node(namespace, None, None, next(self._ids))
+            root.digest = root_digest(namespace, self._kv_format)
         return root
 
     def _new_node(self, key: bytes, page: int, parent: _Node) -> _Node:
@@ -765,7 +789,9 @@ class PrefixCache:
         free + cached + in-use == total; each page in exactly one place; reference
         counts equal the live allocations that hold each node; published nodes hang
         under published parents; pending nodes are referenced; every evictable leaf has
-        a live heap entry.
+        a live heap entry; every published node's digest chains from its parent's, and
+        (when the allocator reports digests) is what its page records, while pending and
+        private pages record none.
         """
         with self._lock:
             check = getattr(self._allocator, "check_integrity", None)
@@ -786,11 +812,15 @@ class PrefixCache:
                     f"{allocation.capacity}"
                 )
             valid_heap = {id(e[2]) for e in self._heap if e[2].heap_version == e[1]}
+            published: dict[int, bytes] = {}  # page -> the digest it must record
             trie_pages: set[int] = set()
             cached = referenced = nodes = 0
             for namespace, root in self._roots.items():
                 assert root.parent is None and root.page is None and root.ready
                 assert root.key == namespace, f"root of {namespace} keyed {root.key}"
+                assert root.digest == root_digest(namespace, self._kv_format), (
+                    f"root of {namespace} has a stale digest"
+                )
                 stack = [root]
                 while stack:
                     node = stack.pop()
@@ -815,6 +845,14 @@ class PrefixCache:
                             f"{refs} allocations hold it"
                         )
                         assert child.ready or refs > 0, f"pending page {child.page} unreferenced"
+                        if child.ready:
+                            assert child.digest == next_digest(node.digest, child.key), (
+                                f"page {child.page}: its digest does not chain from its parent's"
+                            )
+                            published[child.page] = child.digest
+                        else:
+                            assert child.digest is None, f"pending page {child.page} has a digest"
+                            published[child.page] = EMPTY_DIGEST
                         assert child.page not in trie_pages and child.page not in private, (
                             f"page {child.page} is in two places"
                         )
@@ -835,11 +873,24 @@ class PrefixCache:
             if is_free is not None:
                 for page in trie_pages | private:
                     assert not is_free(page), f"page {page} is both used and free"
+            self._check_digests(published, private)
             free = self._allocator.num_free
             in_use = referenced + len(private)
             total = self._allocator.num_pages
             assert free + cached + in_use == total, (
                 f"free {free} + cached {cached} + in use {in_use} != total {total}"
+            )
+
+    def _check_digests(self, expected: dict[int, bytes], private: set[int]) -> None:
+        """Each trie page records its node's digest (pending: none), private pages none."""
+        digests = getattr(self._allocator, "digests", None)
+        if digests is None:
+            return
+        expected = {**expected, **dict.fromkeys(private, EMPTY_DIGEST)}
+        pages = list(expected)
+        for page, recorded in zip(pages, digests(pages), strict=True):
+            assert recorded == expected[page], (
+                f"page {page} records digest {recorded.hex()}, expected {expected[page].hex()}"
             )
 
 

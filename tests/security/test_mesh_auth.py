@@ -97,18 +97,3 @@ def test_keys_and_tenant_salts_survive_a_service_restart(mesh):
     mesh.generate(PROMPT, 4, tenant="d", worker="w0")
     copied = mesh.generate(PROMPT, 4, tenant="d", worker="w1")  # found through the new index
     assert copied.stats["remote_hit_tokens"] == 20
-
-
-def test_authentication_can_be_switched_off(ray_local):
-    plain = cluster.connect(tiny_config(auth=False))
-    try:
-        endpoint = ray.get(get_service().endpoint.remote())
-        assert endpoint["server_key"] is None
-        client = ServiceClient(ServiceEndpoint(endpoint["address"]), timeout_s=2.0)
-        assert "cluster" in client.stats()
-        client.close()
-        plain.generate(PROMPT, 4, tenant="a", worker="w0")
-        assert plain.generate(PROMPT, 4, tenant="a", worker="w1").stats["remote_hit_tokens"] == 20
-    finally:
-        plain.check_integrity()
-        plain.shutdown()

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from workers.digests import DIGEST_BYTES, page_digests
 
 import cluster
 from cache_service.actor import get_service
 from cache_service.events import Namespace, PagesStored
 from cluster.config import config_from_dict
 from workers.client import ServiceClient, ServiceEndpoint
+from workers.digests import DIGEST_BYTES, page_digests
 from workers.page_store import NotOwnerError, SharedPageStore, StoreLayout
 from workers.transfer import PageClient, PageServer, copy_from_peer
 
@@ -102,10 +102,10 @@ def test_a_copy_is_used_only_where_the_digest_matches(stores, path):
     assert torch.equal(requester.page(dst[2]), holder.page(pages[2]))
 
 
-def test_the_prefix_cache_records_digests_at_publish(stores):
+def test_the_prefix_cache_records_digests_at_publish():
     from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 
-    holder, _, _ = stores
+    holder = SharedPageStore.create(LAYOUT, tag="cached")  # the cache owns all its pages
     cache = PrefixCache(holder, PrefixCacheConfig(page_tokens=4))
     tokens = list(range(100, 110))  # two full pages and a partial one
     allocation = cache.acquire(tokens, NS_A)
@@ -117,6 +117,8 @@ def test_the_prefix_cache_records_digests_at_publish(stores):
     cache.clear()  # evicted: freed, so the digests are gone with the generation bump
     assert holder.digests(pages) == [EMPTY] * 2
     cache.check_integrity()
+    holder.check_integrity()
+    holder.close()
 
 
 # ---- end to end: a forged index entry through the front door ------------------------------

@@ -1,4 +1,4 @@
-"""The prefix cache over the real shared-memory page store: bytes, not just page ids."""
+"""The prefix cache over the real shared-memory page store: bytes and digests, not just ids."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from cache_service.events import Namespace, PagesStored
 from tests.workers.cache_helpers import make_tokens
+from workers.digests import EMPTY_DIGEST, page_digests
 from workers.page_store import SharedPageStore, StoreLayout
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 
@@ -73,4 +74,36 @@ def test_evicted_page_changes_generation_for_peers():
         cache.evict(1)
         # a peer holding the advertised generation now sees the page as stale
         assert not store.copy_pages_validated([0], list(stored.generations), out).all_valid
+        cache.check_integrity()
+
+
+def test_published_pages_carry_digests_a_peer_can_check():
+    with SharedPageStore.create(LAYOUT, tag="cachetest") as store:
+        cache = PrefixCache(store, PrefixCacheConfig(page_tokens=4))
+        tokens = make_tokens((100, 10))  # two full pages and a partial one
+        allocation = cache.acquire(tokens, NS)
+        _write(store, allocation, 0, 10)
+        assert store.digests(allocation.pages) == [EMPTY_DIGEST] * 3  # computed, not shared
+        allocation.publish(10)
+        [stored] = cache.take_events()
+        wanted = page_digests(NS, store.kv_format, tokens, 4)
+        assert store.digests(allocation.pages) == wanted + [EMPTY_DIGEST]
+        allocation.release()
+
+        # A peer asks for the pages with the digests of its own prompt.
+        pages, gens = list(stored.page_ids), list(stored.generations)
+        out = torch.empty((2, *LAYOUT.page_shape))
+        with SharedPageStore.attach(store.name) as peer:
+            assert peer.copy_pages_validated(pages, gens, out, digests=wanted).all_valid
+            assert torch.equal(out, store.read_pages(pages))
+            other_tenant = page_digests(Namespace("tiny", salt="x"), store.kv_format, tokens, 4)
+            verdict = peer.copy_pages_validated(pages, gens, out, digests=other_tenant)
+            assert verdict.valid == [False, False]
+            other_prompt = page_digests(NS, store.kv_format, make_tokens((100, 4), (7, 4)), 4)
+            verdict = peer.copy_pages_validated(pages, gens, out, digests=other_prompt)
+            assert verdict.valid == [True, False]  # the same first page, another second
+            assert cache.clear() == 2  # evicted: freed, the digests go with the generations
+            assert peer.digests(pages) == [EMPTY_DIGEST] * 2
+            assert not any(peer.copy_pages_validated(pages, gens, out, digests=wanted).valid)
+            peer.check_integrity()
         cache.check_integrity()

@@ -1,5 +1,5 @@
 """Tests for workers/page_store.py: layout, allocation, shared memory across processes,
-validated copies and reclaiming the segments of killed owners."""
+validated copies, page digests and reclaiming the segments of killed owners."""
 
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ import textwrap
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import workers.page_store as page_store
+from workers.digests import DIGEST_BYTES, EMPTY_DIGEST
+from workers.page_pool import PagePool
 from workers.page_store import (
+    FORMAT_VERSION,
     SHM_DIR,
     NotOwnerError,
     PageStoreError,
@@ -31,6 +36,7 @@ from workers.page_store import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OWN_PREFIX = f"kvmesh-{os.getpid()}-"
+DIGESTS = [bytes([i + 1]) * DIGEST_BYTES for i in range(8)]  # stand-ins, one per page
 
 
 def make_layout(**overrides: object) -> StoreLayout:
@@ -102,6 +108,20 @@ def test_layout_shape_and_bytes():
     assert make_layout().page_bytes == 2 * 2 * 3 * 4 * 5 * 4
 
 
+def test_kv_format_names_what_the_bytes_mean_not_how_many_pages():
+    layout = make_layout()
+    assert layout.kv_format == "kv1:layers=2:kv_heads=3:head_dim=5:page_tokens=4:dtype=float32"
+    assert make_layout(num_pages=100).kv_format == layout.kv_format
+    others = [
+        make_layout(num_layers=3),
+        make_layout(num_kv_heads=1),
+        make_layout(page_tokens=8),
+        make_layout(head_dim=6),
+        make_layout(dtype="bfloat16"),
+    ]
+    assert len({layout.kv_format, *(other.kv_format for other in others)}) == 6
+
+
 # -- allocation ----------------------------------------------------------------------------
 
 
@@ -137,6 +157,8 @@ def test_double_free_raises_and_changes_nothing(store):
     assert store.generations(pages) == [1, 0, 0]
     with pytest.raises(ValueError, match=r"page 8 out of range \[0, 8\)"):
         store.free([8])
+    with pytest.raises(ValueError, match="page 1 freed twice"):
+        store.free([pages[2], pages[1], pages[1]])  # twice in one call
     assert store.num_free == 6
     store.check_integrity()
 
@@ -244,6 +266,147 @@ def test_copy_validated_all_unchanged(store):
     store.check_integrity()
 
 
+def test_copy_validated_with_digests_wants_both_generation_and_digest(store):
+    layout = store.layout
+    pages = store.allocate(5)
+    kvs = [make_kv(layout, seed) for seed in range(5)]
+    for page, kv in zip(pages, kvs, strict=True):
+        store.write_page(page, kv)
+    store.set_digests(pages[:4], DIGESTS[:4])  # the last page is never published
+    gens = store.generations(pages)
+    wanted = [DIGESTS[0], DIGESTS[7], DIGESTS[2], DIGESTS[3], DIGESTS[4]]
+    with SharedPageStore.attach(store.name) as reader:
+        store.free([pages[3]])  # freed: generation and digest both gone
+        out = torch.empty((5, *layout.page_shape))
+        result = reader.copy_pages_validated(pages, gens, out, digests=wanted)
+        # page 1 holds another chain than asked; page 4 records nothing
+        assert result == ValidatedCopy([True, False, True, False, False])
+        assert torch.equal(out[0], kvs[0]) and torch.equal(out[2], kvs[2])
+        # Without digests only the generations count, as before.
+        assert reader.copy_pages_validated(pages, gens, out).valid == [True] * 3 + [False, True]
+        with pytest.raises(ValueError, match="4 expected digests for 5 pages"):
+            reader.copy_pages_validated(pages, gens, out, digests=wanted[:4])
+        with pytest.raises(ValueError, match=r"digest must be 16 bytes, got 3 \(page 1\)"):
+            reader.copy_pages_validated(pages, gens, out, digests=[DIGESTS[0], b"abc", *wanted[2:]])
+        reader.check_integrity()
+    store.check_integrity()
+
+
+def test_a_digest_recorded_while_a_copy_runs_does_not_vouch_for_it(store, monkeypatch):
+    # The model writes KV without bumping generations, then publish records the digest:
+    # a copy that started before the digest was there may have torn bytes, so the digest
+    # read before the copy must already match.
+    pages = store.allocate(2)
+    gens = store.generations(pages)
+    runs = page_store._runs
+
+    def publish_during_copy(rows):
+        store.set_digests(pages, DIGESTS[:2])
+        return runs(rows)
+
+    monkeypatch.setattr(page_store, "_runs", publish_during_copy)
+    out = torch.empty((2, *store.layout.page_shape))
+    assert store.copy_pages_validated(pages, gens, out, digests=DIGESTS[:2]).valid == [False] * 2
+    monkeypatch.setattr(page_store, "_runs", runs)
+    assert store.copy_pages_validated(pages, gens, out, digests=DIGESTS[:2]).all_valid
+    store.check_integrity()
+
+
+# -- digests -------------------------------------------------------------------------------
+
+
+def test_digests_are_recorded_until_free_or_rewrite(store):
+    pages = store.allocate(4)
+    assert store.kv_format == store.layout.kv_format
+    assert store.digests(pages) == [EMPTY_DIGEST] * 4  # a fresh segment is all zeros
+    store.set_digests(pages[::-1], DIGESTS[:4])  # not a run of pages: one by one
+    assert store.digests(pages) == DIGESTS[:4][::-1]
+    store.set_digests(pages, DIGESTS[:4])  # a run: one copy
+    store.set_digest(pages[0], DIGESTS[5])  # recorded again: the last one counts
+    assert store.digests(pages[::-1]) == [DIGESTS[3], DIGESTS[2], DIGESTS[1], DIGESTS[5]]
+    gens = store.generations(pages)
+    store.free([pages[0]])
+    store.write_page(pages[1], make_kv(store.layout, 1))
+    store.copy_page(pages[3], pages[2], num_tokens=1)  # into page 2: a rewrite of it
+    assert store.digests(pages) == [EMPTY_DIGEST] * 3 + [DIGESTS[3]]
+    assert store.generations(pages) == [g + 1 for g in gens[:3]] + gens[3:]
+    (again,) = store.allocate(1)
+    assert again == pages[0] and store.digests([again]) == [EMPTY_DIGEST]
+    store.check_integrity()
+
+
+def test_set_digest_checks_its_input_and_changes_nothing_on_error(store):
+    pages = store.allocate(2)
+    store.set_digest(pages[0], DIGESTS[0])
+    with pytest.raises(ValueError, match="digest must be 16 bytes, got 15"):
+        store.set_digest(pages[1], bytes(range(1, 16)))
+    with pytest.raises(ValueError, match="empty digest"):
+        store.set_digest(pages[1], EMPTY_DIGEST)
+    with pytest.raises(ValueError, match="page 5 is free"):
+        store.set_digest(5, DIGESTS[5])
+    with pytest.raises(ValueError, match=r"page 8 out of range \[0, 8\)"):
+        store.set_digest(8, DIGESTS[0])
+    with pytest.raises(ValueError, match=r"page -1 out of range"):
+        store.set_digests([pages[1], -1], DIGESTS[:2])
+    with pytest.raises(ValueError, match="page 5 is free"):
+        store.set_digests([pages[1], 5], DIGESTS[:2])  # all or nothing: page 1 untouched
+    with pytest.raises(ValueError, match="page 2 is free"):
+        store.set_digests([1, 2], DIGESTS[:2])  # a run, partly free
+    with pytest.raises(ValueError, match=r"page 8 out of range"):
+        store.set_digests([7, 8], DIGESTS[:2])
+    with pytest.raises(ValueError, match="digest must be 16 bytes, got 15"):
+        store.set_digests(pages, [bytes(15), bytes(17)])  # 32 bytes in all, still refused
+    with pytest.raises(ValueError, match="1 digests for 2 pages"):
+        store.set_digests(pages, DIGESTS[:1])
+    with pytest.raises(ValueError, match=r"pages \[9\] out of range"):
+        store.digests([0, 9])
+    assert store.digests(pages) == [DIGESTS[0], EMPTY_DIGEST]
+    store.check_integrity()
+
+
+def test_a_reader_reads_digests_but_may_not_record_them(store):
+    pages = store.allocate(2)
+    store.set_digest(pages[1], DIGESTS[1])
+    with SharedPageStore.attach(store.name) as reader:
+        assert reader.kv_format == store.kv_format
+        assert reader.digests(pages) == [EMPTY_DIGEST, DIGESTS[1]]
+        for misuse in (
+            lambda: reader.set_digest(pages[0], DIGESTS[0]),
+            lambda: reader.set_digests(pages, DIGESTS[:2]),
+        ):
+            with pytest.raises(NotOwnerError, match=store.name):
+                misuse()
+        store.free(pages[1:])
+        assert reader.digests(pages) == [EMPTY_DIGEST] * 2  # the same memory
+        reader.check_integrity()
+    store.check_integrity()
+
+
+def test_check_integrity_catches_a_free_page_with_a_digest(store):
+    store._digests[3] = 7  # a bug's work: the owner's own view of the digest region
+    with pytest.raises(AssertionError, match=r"free pages \[3\] still record a digest"):
+        store.check_integrity()
+    store._digests[3] = 0
+    store.check_integrity()
+
+
+def test_a_bare_pool_keeps_digests_the_same_way():
+    pool = PagePool(4)
+    assert pool.kv_format == "" and PagePool(4, kv_format="kv1:x").kv_format == "kv1:x"
+    pages = pool.allocate(3)
+    pool.set_digests(pages, DIGESTS[:3])
+    pool.bump_generation(pages[2])  # rewritten in place
+    assert pool.digests(pages) == [DIGESTS[0], DIGESTS[1], EMPTY_DIGEST]
+    pool.free(pages[:1])
+    assert pool.digests([pages[0], pages[1]]) == [EMPTY_DIGEST, DIGESTS[1]]
+    assert pool.generation(pages[0]) == 1
+    with pytest.raises(ValueError, match="page 0 is free"):
+        pool.set_digest(pages[0], DIGESTS[0])
+    with pytest.raises(ValueError, match=r"digests must be \(4, 16\) uint8"):
+        PagePool(4, digests=np.zeros((4, 8), dtype=np.uint8))
+    pool.check_integrity()
+
+
 # -- attached readers ----------------------------------------------------------------------
 
 
@@ -289,11 +452,14 @@ def test_attach_missing_or_foreign_segment_is_a_clear_error():
         os.unlink(foreign)
 
 
-def test_attach_rejects_another_format_version(store):
+@pytest.mark.parametrize("version", [1, 99])
+def test_attach_rejects_another_format_version(store, version):
+    # Version 1 segments had no digest region: reading one as ours would misplace the pages.
+    assert FORMAT_VERSION == 2
     with open(os.path.join(SHM_DIR, store.name), "r+b") as f:
         f.seek(8)
-        f.write((99).to_bytes(8, "little"))
-    with pytest.raises(SegmentFormatError, match="format version 99"):
+        f.write(version.to_bytes(8, "little"))
+    with pytest.raises(SegmentFormatError, match=f"format version {version}, this build reads 2"):
         SharedPageStore.attach(store.name)
     with pytest.raises(AssertionError, match="header no longer matches"):
         store.check_integrity()
@@ -335,7 +501,8 @@ def test_unlink_keeps_the_owner_usable(store):
 # -- other processes -----------------------------------------------------------------------
 
 # Attaches to each store named on the command line and writes, per store, a line
-# "<sha256> <generation> <length>" followed by the raw bytes of the page asked for.
+# "<sha256> <generation> <digest hex> <length>" followed by the raw bytes of the page asked
+# for (the digest is what the owner recorded for the page, from the digest region).
 READ_PAGES_IN_CHILD = """
     import hashlib, sys, torch
     from workers.page_store import SharedPageStore
@@ -345,7 +512,8 @@ READ_PAGES_IN_CHILD = """
         with SharedPageStore.attach(name) as store:
             raw = store.page(int(page)).contiguous().view(torch.uint8).numpy().tobytes()
             generation = store.generation(int(page))
-        line = f"{hashlib.sha256(raw).hexdigest()} {generation} {len(raw)}\\n"
+            [digest] = store.digests([int(page)])
+        line = f"{hashlib.sha256(raw).hexdigest()} {generation} {digest.hex()} {len(raw)}\\n"
         sys.stdout.buffer.write(line.encode() + raw)
 """
 
@@ -372,19 +540,21 @@ def test_second_process_reads_the_exact_bytes():
             pages = store.allocate(seed + 1)
             kv = make_kv(layout, seed)
             store.write_page(pages[-1], kv)
+            store.set_digest(pages[-1], DIGESTS[seed])
             stores.append((store, pages[-1]))
             written.append(kv.view(torch.uint8).numpy().tobytes())
 
         child = run_python(READ_PAGES_IN_CHILD, *(f"{s.name}:{p}" for s, p in stores))
         assert child.returncode == 0, child.stderr.decode()
         rest = child.stdout
-        for (store, page), expected in zip(stores, written, strict=True):
+        for seed, ((store, page), expected) in enumerate(zip(stores, written, strict=True)):
             line, rest = rest.split(b"\n", 1)
-            digest, generation, length = line.decode().split()
+            sha, generation, digest, length = line.decode().split()
             raw, rest = rest[: int(length)], rest[int(length) :]
             assert raw == expected
-            assert digest == hashlib.sha256(expected).hexdigest()
+            assert sha == hashlib.sha256(expected).hexdigest()
             assert int(generation) == store.generation(page) == 1
+            assert bytes.fromhex(digest) == DIGESTS[seed] == store.digests([page])[0]
             store.check_integrity()
         assert rest == b""
 

@@ -1,4 +1,4 @@
-"""The local prefix cache: exact page ids, eviction order, COW, batches, events."""
+"""The local prefix cache: exact page ids, eviction order, COW, batches, events, digests."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ import threading
 import pytest
 
 from cache_service.events import AllCleared, Namespace, PagesRemoved, PagesStored
-from tests.workers.cache_helpers import NS, PAGE, make_cache, make_tokens, run_request
+from tests.workers.cache_helpers import (
+    NS,
+    PAGE,
+    RecordingPool,
+    make_cache,
+    make_tokens,
+    run_request,
+)
+from workers.digests import EMPTY_DIGEST, page_digests
 from workers.eviction import EVICTION_POLICIES, make_eviction_policy
-from workers.prefix_cache import PrefixCacheConfig
+from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 
 
 def test_miss_then_hit_pins_exact_pages():
@@ -346,4 +354,114 @@ def test_many_threads_acquire_publish_release():
     stats = cache.stats()
     assert stats["queries"] == 8 * 150
     assert stats["hit_tokens"] > 0 and stats["live_allocations"] == 0
+    cache.check_integrity()
+
+
+# ---- digests: recorded at publish, for exactly the pages that become shareable -------------
+
+
+def chain(tokens, ns=NS, kv_format=""):
+    """What a requester expects each full page of `tokens` to record."""
+    return page_digests(ns, kv_format, tokens, PAGE)
+
+
+def test_publish_records_digests_of_exactly_the_published_pages():
+    cache, pool = make_cache()
+    tokens = make_tokens((0, 10))
+    allocation = cache.acquire(tokens, NS)
+    assert allocation.pages == [0, 1, 2]
+    assert pool.digests([0, 1, 2]) == [EMPTY_DIGEST] * 3  # pending and private: none yet
+    pool.write(allocation, 0, 10)
+    allocation.publish(10)
+    assert pool.digests([0, 1, 2]) == chain(tokens) + [EMPTY_DIGEST]  # the partial page: none
+    allocation.release()
+    assert pool.digests([0, 1, 2]) == chain(tokens) + [EMPTY_DIGEST]  # cached, still shareable
+    cache.check_integrity()
+
+
+def test_a_chain_published_in_two_publishes_records_the_same_digests():
+    cache, pool = make_cache()
+    tokens = make_tokens((0, 12))
+    allocation = cache.acquire(tokens, NS)
+    pool.write(allocation, 0, 12)
+    assert allocation.publish(5) == 1
+    assert pool.digests(allocation.pages) == chain(tokens)[:1] + [EMPTY_DIGEST] * 2
+    cache.check_integrity()
+    assert allocation.publish(12) == 2
+    assert pool.digests(allocation.pages) == chain(tokens)
+    allocation.release()
+    # a later request extends the cached chain from its node's digest
+    longer = tokens + make_tokens((50, 5))
+    run_request(cache, pool, longer)
+    assert pool.digests([0, 1, 2, 3]) == chain(longer)
+    cache.check_integrity()
+
+
+def test_same_batch_sharing_records_one_digest_per_shared_page():
+    cache, pool = make_cache(num_pages=64)
+    prefix = make_tokens((0, 8))
+    prompts = [prefix + make_tokens((1000 * (i + 1), 5)) for i in range(3)]
+    plan = cache.acquire_batch(prompts, NS)
+    shared = plan[0].allocation.pages[:2]
+    assert all(entry.allocation.pages[:2] == shared for entry in plan)
+    for entry in plan:  # one forward pass computes them all
+        pool.write(entry.allocation, entry.compute_from, entry.allocation.num_tokens)
+    plan[1].allocation.publish(len(prompts[1]))  # a sibling first: the shared pages go with it
+    assert pool.digests(shared) == chain(prompts[1])[:2] == chain(prefix)
+    assert pool.digests(plan[0].allocation.pages[2:]) == [EMPTY_DIGEST] * 2
+    for entry, prompt in zip(plan, prompts, strict=True):
+        entry.allocation.publish(len(prompt))
+        own = entry.allocation.pages[2]
+        assert pool.digests([own, entry.allocation.pages[3]]) == chain(prompt)[2:] + [EMPTY_DIGEST]
+    cache.check_integrity()
+    for entry in plan:
+        entry.allocation.release()
+    cache.check_integrity()
+
+
+def test_cow_and_unpublished_decode_pages_record_nothing():
+    cache, pool = make_cache(publish_decode_pages=False)
+    run_request(cache, pool, make_tokens((0, 8)))
+    again = cache.acquire(make_tokens((0, 8)), NS, extra_token_slots=4)
+    cow, decode = again.pages[1], again.pages[2]
+    assert pool.copies == [(1, cow, 3)]
+    pool.write(again, 7, 8)
+    assert again.extend([60, 61, 62, 63])
+    pool.write(again, 8, 12)
+    assert again.publish(12) == 0  # the copy duplicates page 1; decode pages stay private
+    assert pool.digests([0, 1, cow, decode]) == chain(make_tokens((0, 8))) + [EMPTY_DIGEST] * 2
+    cache.check_integrity()
+    again.release()
+    cache.check_integrity()
+
+
+def test_eviction_clears_digests_and_namespaces_and_formats_differ():
+    pool = RecordingPool(16)
+    pool.kv_format = "kv1:test"
+    cache = PrefixCache(pool, PrefixCacheConfig(page_tokens=PAGE))
+    tokens = make_tokens((0, 8), (9, 1))
+    tenant = Namespace("test-model", salt="b")
+    assert run_request(cache, pool, tokens, ns=NS).pages == [0, 1, 2]
+    assert run_request(cache, pool, tokens, ns=tenant).pages == [2, 3, 4]  # 2: freed, reused
+    assert pool.digests([0, 1]) == chain(tokens, kv_format="kv1:test")
+    assert pool.digests([2, 3]) == chain(tokens, tenant, kv_format="kv1:test")
+    assert pool.digests([0]) != chain(tokens)[:1]  # another format: another root
+    assert cache.clear() == 4
+    assert pool.digests([0, 1, 2, 3]) == [EMPTY_DIGEST] * 4
+    cache.check_integrity()
+
+
+def test_check_integrity_catches_a_wrong_or_stray_digest():
+    cache, pool = make_cache()
+    run_request(cache, pool, make_tokens((0, 8)))
+    pool.set_digest(1, chain(make_tokens((0, 4), (99, 4)))[1])  # not what page 1 holds
+    with pytest.raises(AssertionError, match="page 1 records digest"):
+        cache.check_integrity()
+    pool.set_digest(1, chain(make_tokens((0, 8)))[1])
+    held = cache.acquire(make_tokens((20, 6)), NS)
+    pool.set_digest(held.pages[1], chain(make_tokens((0, 8)))[1])  # a private page
+    with pytest.raises(AssertionError, match=f"page {held.pages[1]} records digest"):
+        cache.check_integrity()
+    pool.bump_generation(held.pages[1])  # rewritten: cleared
+    held.release()
     cache.check_integrity()

@@ -3,7 +3,8 @@
 The reference keeps published prefixes in a dict (prefix tuple -> page id), with no trie
 at all. After every step the trie's published pages (from `snapshot()`) must equal the
 reference's, every acquire must reuse exactly what the reference predicts, every reused
-slot must hold the KV of exactly the right token, and `check_integrity()` must pass.
+slot must hold the KV of exactly the right token, every published page must record the
+digest of its namespace and token chain, and `check_integrity()` must pass.
 Evictions are the cache's own choice: the reference learns them from the events and
 checks each removed page was an unreferenced published leaf.
 """
@@ -18,6 +19,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from cache_service.events import AllCleared, Namespace, PagesRemoved, PagesStored
 from tests.workers.cache_helpers import RecordingPool
+from workers.digests import page_digests
 from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
 
 P = 3
@@ -75,6 +77,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 best = max(best, _lcp(prefix[m * P :], tokens[m * P : (m + 1) * P]))
         return min(m * P + best, n - 1)
 
+    def pinned_cached(self, namespace: Namespace, tokens: list[int], reuse: int) -> int:
+        """Unreferenced published pages an acquire reusing `reuse` tokens keeps: counted as
+        cached, but not evictable to make room for it (its path, and the page it copies
+        from; every candidate source counts, so this may overcount, never undercount)."""
+        full = reuse // P
+        kept = {(namespace, tuple(tokens[: k * P])) for k in range(1, full + 1)}
+        if reuse % P:
+            head, part = tuple(tokens[: full * P]), tuple(tokens[full * P : reuse])
+            kept |= {
+                (ns, prefix)
+                for ns, prefix in self.published
+                if ns == namespace
+                and len(prefix) == (full + 1) * P
+                and prefix[:reuse] == head + part
+            }
+        referenced = self.referenced()
+        return sum(1 for key in kept if key in self.published and key not in referenced)
+
     def referenced(self) -> set[Prefix]:
         return {(a.namespace, prefix) for a in self.live for prefix in a.nodes}
 
@@ -117,7 +137,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         allocation = self.cache.acquire(tokens, ns, extra_token_slots=extra)
         if allocation is None:
             needed = -(-(len(tokens) + extra) // P) - expected // P
-            assert needed > free_before - len(self.referenced()), "refused though it fits"
+            pinned = self.pinned_cached(ns, tokens, expected)
+            assert needed > free_before - pinned, "refused though it fits"
             self.apply_events()
             return None
         assert allocation.cached_tokens == expected
@@ -207,6 +228,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 derived[(chain.namespace, parent)] = page
                 pages_to_prefix[page] = parent
         assert derived == self.published
+        # Each published page records the digest a requester computes for its prefix
+        # (free pages record none: check_integrity asks the pool).
+        for (namespace, prefix), page in self.published.items():
+            [recorded] = self.pool.digests([page])
+            assert recorded == page_digests(namespace, "", prefix, P)[-1], f"page {page}"
 
     def teardown(self):
         for ref in self.live:
