@@ -1,10 +1,11 @@
-"""One ZAP handler per process, serving every kvmesh CURVE server through its own domain.
+"""One ZAP handler for the shared ZMQ context, serving each CURVE server through its own domain.
 
 ZMQ asks a ZAP handler (at inproc://zeromq.zap.01 of the socket's context) whether to
-admit each new CURVE client. Only one handler can bind that endpoint per context, and the
-service and every page server of a process share `zmq.Context.instance()`, so each server
-takes a ZAP domain of its own here, with the set of public keys it admits. The handler
-runs while at least one domain is open. A client the handler does not admit never gets a
+admit each new CURVE client. Only one handler can bind that endpoint per context, and
+every service server of a process uses `zmq.Context.instance()`, so each server takes a
+ZAP domain of its own here, with the set of public keys it admits. The handler runs while
+at least one domain is open. (Page servers keep a private context and handler each: see
+`workers.page_server`.) A client the handler does not admit never gets a
 message through; an admitted one's messages carry its public key (z85) as their
 "User-Id" property, which is how the service tells identities apart.
 """

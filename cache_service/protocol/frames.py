@@ -17,6 +17,7 @@ level. So:
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import msgpack
@@ -173,7 +174,9 @@ def _peek_request_id(frame: bytes | bytearray | memoryview, size: int) -> int:
     value but the id), so even a frame of pathological structure costs nothing here.
     """
     budget = _Budget(64)  # a key or the id itself could be a nested bomb too
-    reader = msgpack.Unpacker(
+    reader = msgpack.Unpacker(  # reads the frame in chunks: no copy of it whole
+        io.BytesIO(frame),
+        read_size=min(1 << 16, size),
         raw=True,
         strict_map_key=False,
         max_buffer_size=size,
@@ -181,7 +184,6 @@ def _peek_request_id(frame: bytes | bytearray | memoryview, size: int) -> int:
         object_hook=budget,
     )
     try:
-        reader.feed(frame)
         for _ in range(min(reader.read_map_header(), 8)):
             key = reader.unpack()
             if key == b"id":
