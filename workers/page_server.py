@@ -195,6 +195,27 @@ class PageServer:
             "signed": self._signing,
         }
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless what the server holds stays within its bounds.
+
+        Reads the serving loop's state from another thread: a snapshot, good enough for
+        bounds and counters (each request is checked on its own).
+        """
+        active = list(self._active)
+        assert len(active) <= MAX_ACTIVE_REQUESTS, f"{len(active)} requests in flight"
+        peers: dict[bytes, int] = {}
+        for serving in active:
+            peers[serving.identity] = peers.get(serving.identity, 0) + 1
+            n = len(serving.pages)
+            assert 0 < n <= self._max_pages, f"a request of {n} pages (most {self._max_pages})"
+            assert len(serving.expected) == len(serving.sendable) == len(serving.digests) == n
+            assert 0 <= serving.next_page <= n, f"page cursor {serving.next_page} of {n}"
+        busiest = max(peers.values(), default=0)
+        assert busiest <= MAX_REQUESTS_PER_PEER, f"a peer has {busiest} requests in flight"
+        assert len(self._replay) <= self._replay.capacity, "the replay guard outgrew its bound"
+        counts = (self.requests, self.errors, self.dropped, self.pages_sent, self.restarts)
+        assert min(counts) >= 0, f"a negative counter: {counts}"
+
     def _start_zap(self, peers: frozenset[bytes]) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 

@@ -256,6 +256,7 @@ class Worker:
     def check_integrity(self) -> None:
         self.cache.check_integrity()
         self.store.check_integrity()
+        self.page_server.check_integrity()
 
     def shutdown(self) -> None:
         """Leave the service, stop serving pages, unlink the page store (idempotent)."""

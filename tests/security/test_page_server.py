@@ -87,6 +87,7 @@ def test_only_workers_of_the_mesh_get_pages(holder, requester, encrypt):
             assert not dst_store.page_range(dst[4], dst[8]).any()  # not one byte arrived
             outsider.close()
         assert server.health()["pages_sent"] == 4
+        server.check_integrity()
     finally:
         server.stop()
 
@@ -115,6 +116,7 @@ def test_an_unsigned_request_gets_no_bytes(holder):
         reply = socket.recv_multipart()
         assert len(reply) == 1 and "error" in msgpack.unpackb(reply[0])
         assert server.health()["pages_sent"] == 0
+        server.check_integrity()
     finally:
         socket.close(linger=0)
         server.stop()
@@ -154,6 +156,7 @@ def test_a_reader_that_never_reads_stalls_no_one(holder, requester, auth):
         health = server.health()
         assert health["alive"] and health["dropped"] >= 1, health
         assert all(good.fetch(pages[:16], store.generations(pages[:16]), dst_store, dst[:16]))
+        server.check_integrity()
     finally:
         staller.close()
         good.close()
@@ -183,6 +186,7 @@ def test_the_serving_thread_is_restarted_if_it_dies(holder, requester, caplog):
         client.close()
         client = PageClient(server.address, timeout_s=2.0)
         assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))
+        server.check_integrity()
     finally:
         client.close()
         server.stop()
@@ -206,6 +210,7 @@ def test_malformed_requests_never_stop_the_server(holder, requester):
         assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))
         client.close()
         assert server.health()["alive"] and server.health()["errors"] >= 5
+        server.check_integrity()
     finally:
         socket.close(linger=0)
         server.stop()

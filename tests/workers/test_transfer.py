@@ -56,6 +56,7 @@ def serving(store, **kwargs):
     client = PageClient(server.address, **{"timeout_s": 2.0, **client_kwargs})
     try:
         yield server, client
+        server.check_integrity()
     finally:
         client.close()
         server.stop()
@@ -288,6 +289,7 @@ def test_bad_requests_get_error_and_the_server_keeps_serving(stores):
         client.close()
         health = server.health()
         assert health["errors"] == 5 and health["requests"] == 6 and health["pages_sent"] == 1
+        server.check_integrity()
     finally:
         socket.close(linger=0)
         server.stop()
@@ -369,6 +371,7 @@ def test_a_peer_may_have_only_a_few_requests_in_flight():
                 socket.send(request)  # and never read the 16 MiB each asks for
             assert wait_for(lambda: server.health()["errors"] == 2)
             assert server.health()["active"] == page_wire.MAX_REQUESTS_PER_PEER
+            server.check_integrity()
         finally:
             socket.close(linger=0)
             server.stop()
@@ -417,6 +420,7 @@ def test_a_replayed_signed_request_gets_no_bytes(stores):
         socket.send(frame)  # the same request again, as an eavesdropper would send it
         assert msgpack.unpackb(socket.recv())["error"] == "replayed request"
         assert server.health()["pages_sent"] == 2
+        server.check_integrity()
     finally:
         socket.close(linger=0)
         server.stop()
@@ -460,3 +464,13 @@ def test_the_raw_pipe_moves_every_byte(curve):
         assert torch.equal(pipe._dst, pipe._src)
     finally:
         pipe.close()
+
+
+def test_check_integrity_catches_a_broken_bound(stores):
+    holder, _, _ = stores
+    with serving(holder) as (server, _):
+        server.check_integrity()
+        server.errors = -1  # corrupt on purpose
+        with pytest.raises(AssertionError, match="a negative counter"):
+            server.check_integrity()
+        server.errors = 0
