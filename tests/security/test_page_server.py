@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from cache_service.auth import KeyPair
 
+from cache_service.auth import KeyPair
 from workers.page_store import SharedPageStore, StoreLayout
 from workers.transfer import TRANSFER_VERSION, PageClient, PageServer, TransferAuth
 
