@@ -194,7 +194,8 @@ class ServiceServer:
             socket.curve_secretkey = self.keys.keypair.secret
             socket.curve_publickey = self.keys.keypair.public
             socket.curve_server = True
-            self._zap_domain = zap.open_domain(self.keys.clients.keys(), socket)
+            self._zap_domain = zap.open_domain(self.keys.clients.keys(), self._context)
+            socket.zap_domain = self._zap_domain.encode()
         host = self.config.host
         if self.config.port:
             socket.bind(f"tcp://{host}:{self.config.port}")

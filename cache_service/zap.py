@@ -1,13 +1,13 @@
-"""One ZAP handler for the shared ZMQ context, serving each CURVE server through its own domain.
+"""ZAP handlers: each CURVE server admits its own set of public keys, through a domain.
 
 ZMQ asks a ZAP handler (at inproc://zeromq.zap.01 of the socket's context) whether to
-admit each new CURVE client. Only one handler can bind that endpoint per context, and
-every service server of a process uses `zmq.Context.instance()`, so each server takes a
-ZAP domain of its own here, with the set of public keys it admits. The handler runs while
-at least one domain is open. (Page servers keep a private context and handler each: see
-`workers.page_server`.) A client the handler does not admit never gets a
-message through; an admitted one's messages carry its public key (z85) as their
-"User-Id" property, which is how the service tells identities apart.
+admit each new CURVE client. Only one handler can bind that endpoint per context, so this
+module keeps one handler per context, started with the context's first domain and stopped
+with its last, and each server takes a ZAP domain of its own with the keys it admits: the
+service servers of a process share `zmq.Context.instance()`, each page server has a
+context of its own. A client the handler does not admit never gets a message through; an
+admitted one's messages carry its public key (z85) as their "User-Id" property, which is
+how the service tells identities apart.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 _lock = threading.Lock()
-_authenticator: ThreadAuthenticator | None = None
-_domains: set[str] = set()
+_handlers: dict[int, tuple[ThreadAuthenticator, set[str]]] = {}  # id(context) -> ...
+_context_of: dict[str, int] = {}  # domain -> id(context)
 _names = itertools.count()
 
 
@@ -35,32 +35,35 @@ class _Admit:
         return key in self.keys
 
 
-def open_domain(keys: Collection[bytes], socket: zmq.Socket) -> str:
-    """Admit `keys` (z85 public keys) to CURVE server `socket` through a new ZAP domain.
+def open_domain(keys: Collection[bytes], context: zmq.Context) -> str:
+    """A new ZAP domain of `context` that admits `keys` (z85 public keys).
 
-    Call before the socket binds. Returns the domain, for `close_domain`.
+    Set it as `socket.zap_domain` of a CURVE server socket before it binds; close it with
+    `close_domain`.
     """
-    global _authenticator
     with _lock:
-        if _authenticator is None:
-            _authenticator = ThreadAuthenticator(zmq.Context.instance())
-            _authenticator.start()
+        handler, domains = _handlers.get(id(context), (None, set()))
+        if handler is None:
+            handler = ThreadAuthenticator(context)
+            handler.start()
+            handler.thread.name = "kvmesh-zap"
+            _handlers[id(context)] = (handler, domains)
         domain = f"kvmesh-{next(_names)}"
-        _authenticator.configure_curve_callback(domain=domain, credentials_provider=_Admit(keys))
-        _domains.add(domain)
-    socket.zap_domain = domain.encode()
+        handler.configure_curve_callback(domain=domain, credentials_provider=_Admit(keys))
+        domains.add(domain)
+        _context_of[domain] = id(context)
     return domain
 
 
 def close_domain(domain: str) -> None:
-    """Admit nobody more through `domain`; the handler stops with the last domain."""
-    global _authenticator
+    """Admit nobody more through `domain`; its context's handler stops with its last one."""
     with _lock:
-        if domain not in _domains:
+        key = _context_of.pop(domain, None)
+        if key is None:
             return
-        _domains.discard(domain)
-        if _authenticator is not None:
-            _authenticator.credentials_providers.pop(domain, None)
-            if not _domains:
-                _authenticator.stop()
-                _authenticator = None
+        handler, domains = _handlers[key]
+        domains.discard(domain)
+        handler.credentials_providers.pop(domain, None)
+        if not domains:
+            handler.stop()
+            del _handlers[key]

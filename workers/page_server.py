@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from cache_service import zap
 from cache_service.addresses import check_bind_host
 from workers.digests import EMPTY_DIGEST
 from workers.page_store import SharedPageStore
@@ -48,7 +49,6 @@ _BURST_BYTES = 4 << 20
 _MIN_BACKOFF_S = 20e-6
 _MAX_BACKOFF_S = 5e-3
 _IDLE_POLL_MS = 200
-_ZAP_DOMAIN = "kvmesh-pages"
 
 
 @dataclass(eq=False)
@@ -114,11 +114,11 @@ class PageServer:
         # A context of our own: its ZAP handler is ours alone (one per context), and its
         # I/O thread moves only our pages.
         self._context = zmq.Context()
-        self._authenticator: Any = None
+        self._zap_domain = ""
         self._host = host
         try:
             if auth is not None and auth.encrypt:
-                self._start_zap(auth.peers)
+                self._zap_domain = zap.open_domain(auth.peers, self._context)
             self._socket = self._bind(port)
         except BaseException:
             self._close_context()
@@ -153,8 +153,8 @@ class PageServer:
             self._close_context()
 
     def _close_context(self) -> None:
-        if self._authenticator is not None:
-            self._authenticator.stop()
+        if self._zap_domain:
+            zap.close_domain(self._zap_domain)
         self._context.term()
 
     def ensure_running(self) -> bool:
@@ -216,16 +216,6 @@ class PageServer:
         counts = (self.requests, self.errors, self.dropped, self.pages_sent, self.restarts)
         assert min(counts) >= 0, f"a negative counter: {counts}"
 
-    def _start_zap(self, peers: frozenset[bytes]) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self._authenticator = ThreadAuthenticator(self._context, log=log)
-        self._authenticator.start()
-        self._authenticator.thread.name = "kvmesh-pages-zap"
-        self._authenticator.configure_curve_callback(
-            domain=_ZAP_DOMAIN, credentials_provider=_PeerKeys(peers)
-        )
-
     def _bind(self, port: int) -> zmq.Socket:
         socket = self._context.socket(zmq.ROUTER)
         socket.linger = 0
@@ -235,7 +225,7 @@ class PageServer:
         socket.sndhwm = self._sndhwm
         socket.rcvhwm = 16  # requests queued per peer; a client sends one at a time
         if self.auth is not None and self.auth.encrypt:
-            socket.zap_domain = _ZAP_DOMAIN.encode()
+            socket.zap_domain = self._zap_domain.encode()
             socket.curve_secretkey = self.auth.keypair.secret
             socket.curve_publickey = self.auth.keypair.public
             socket.curve_server = True
@@ -489,13 +479,3 @@ class PageServer:
     def _send_quietly(socket: zmq.Socket, identity: bytes, message: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # full or gone: the peer times out instead
             socket.send_multipart([identity, message], zmq.NOBLOCK)
-
-
-class _PeerKeys:
-    """ZAP credentials provider: admits the mesh's workers' z85 public keys."""
-
-    def __init__(self, keys: frozenset[bytes]):
-        self.keys = frozenset(keys)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys

@@ -10,16 +10,9 @@ Same node: `copy_from_peer` attaches the holder's page store by name and copies 
 of destination pages with one validated copy (generation, memcpy, generation, digest).
 
 Across nodes: the holder runs a `PageServer` (a ROUTER thread, `workers.page_server`) and
-the requester a `PageClient` (a DEALER, `workers.page_client`). The wire (version 2,
-`workers.page_wire`), per request:
-
-    request   [ msgpack {"v", "id", "pages": int32 bytes, "gens": int64 bytes,
-                         signed only: "ts": ns, "nonce": 16 bytes, "sig": HMAC-SHA256} ]
-    header    [ msgpack {"v", "id", "n", "page_bytes"} ]  or  [ msgpack {"v", "id", "error"} ]
-    page i    [ prefix "<2sBQI" (b"KP", v, id, i) | page bytes, or empty if not sent ]
-    ...       (one ZMQ message per page, n of them)
-    trailer   [ msgpack {"v", "id", "valid": one byte per page, "digests": 16 bytes per page} ]
-              or [ msgpack {"v", "id", "error"} ] when the server gave up on the request
+the requester a `PageClient` (a DEALER, `workers.page_client`). Per request (the wire is
+drawn in `workers.page_wire`): a signed or CURVE-borne request, a header, one ZMQ message
+per page, and a trailer with the verdict and the recorded digests.
 
 Pages leave straight from the holder's shared memory as zero-copy frames and land with
 `recv_into` straight in the requester's pages: the only copies are the kernel's. A page

@@ -363,6 +363,7 @@ class GlobalIndex:
         self._clock += 1
         spans: tuple = ()
         local = 0
+        asking = self._registry.get(requester)
         if path.length:
             start, length, on_path = path
             if on_path is None:
@@ -370,7 +371,6 @@ class GlobalIndex:
             else:
                 nodes.last_access_arr.put(on_path, self._clock)
             holdings = self._holders.holdings(path)
-            asking = self._registry.get(requester)
             requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
             slots, tiers = self._registry.slots, self._registry.tiers
             built = []
@@ -387,7 +387,7 @@ class GlobalIndex:
                 built.sort(key=_span_order)  # packed lengths are 4x, in the same order
             spans = tuple(built[: self.max_spans])
         matched = path.length * self.page_tokens
-        if requester is not None and requester not in self._registry.workers:
+        if requester is not None and asking is None:
             requester = UNREGISTERED
         self._tallies.record(
             namespace.salt, requester, len(data) // 4, matched, local * self.page_tokens
