@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.auth import MeshKeys, tenant_salt
 from cache_service.server import ServerConfig, make_server
@@ -30,14 +31,23 @@ class ServiceActor:
         keys: the mesh's keys (`MeshKeys.to_dict()`), made by the launcher: a restarted
             actor gets the same ones, so workers and front doors keep talking to it.
         auth: serve with CurveZMQ and identities (else in plain text, to anyone).
+        mesh: what the launcher started around the service (its configuration, worker
+            names, placement group, who launched it), for front doors that attach.
     """
 
-    def __init__(self, config: dict[str, Any], keys: dict[str, Any], auth: bool = True):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        keys: dict[str, Any],
+        auth: bool = True,
+        mesh: dict[str, Any] | None = None,
+    ):
         config = dict(config)
         config["host"] = resolve_host(config.get("host", "loopback"))
         self.config = ServerConfig(**config)
         self.keys = MeshKeys.from_dict(keys)
         self.auth = auth
+        self.mesh = dict(mesh or {})
         self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()
@@ -53,6 +63,11 @@ class ServiceActor:
     def credentials(self) -> dict[str, Any]:
         """The mesh's keys and secret, for a front door that attaches (through Ray only)."""
         return {"keys": self.keys.to_dict(), "auth": self.auth}
+
+    def describe(self) -> dict[str, Any]:
+        """The mesh around this service, as its launcher described it (empty when the
+        service was started alone)."""
+        return self.mesh
 
     def tenant_salt(self, tenant: str) -> str:
         """The namespace salt of `tenant` in this mesh."""
@@ -85,7 +100,11 @@ def resolve_host(host: str) -> str:
 
 
 def start_service(
-    config: ServerConfig | None = None, keys: MeshKeys | None = None, auth: bool = True
+    config: ServerConfig | None = None,
+    keys: MeshKeys | None = None,
+    auth: bool = True,
+    mesh: dict[str, Any] | None = None,
+    node_id: str | None = None,
 ) -> Any:
     """Start the service actor (or return the running one) and wait until it serves.
 
@@ -93,6 +112,8 @@ def start_service(
         config: where and how it serves.
         keys: the mesh's keys (fresh ones for a mesh of no workers when None).
         auth: serve with CurveZMQ and identities.
+        mesh: the launcher's description of the mesh (`ServiceActor.describe`).
+        node_id: the node it must run on (the head node, in a launched mesh).
 
     Returns:
         The actor handle, named SERVICE_NAME in namespace RAY_NAMESPACE.
@@ -108,7 +129,10 @@ def start_service(
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
-    ).remote(dataclasses.asdict(config), keys.to_dict(), auth)
+        scheduling_strategy=(
+            None if node_id is None else NodeAffinitySchedulingStrategy(node_id, soft=False)
+        ),
+    ).remote(dataclasses.asdict(config), keys.to_dict(), auth, mesh)
     ray.get(handle.endpoint.remote())
     return handle
 

@@ -83,6 +83,13 @@ class WorkersConfig:
     # every worker down several times over.
     threads: int = 1
     publish_interval_s: float = 0.5
+    # Ray resources each worker reserves (a placement-group bundle per worker): one CPU
+    # slot, so that two workers fit on a 2-core machine; on a GPU cluster one GPU each
+    # (num_gpus None: 1 when the cluster has GPUs, else 0).
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+    # How long a start waits for resources that exist but are taken by other work.
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_host(self.host, "workers.host")
@@ -92,6 +99,14 @@ class WorkersConfig:
             raise ConfigError(f"workers.threads must be positive, got {self.threads}")
         if self.publish_interval_s <= 0:
             raise ConfigError("workers.publish_interval_s must be positive")
+        if self.num_cpus < 0:
+            raise ConfigError(f"workers.num_cpus must not be negative, got {self.num_cpus}")
+        if self.num_gpus is not None and self.num_gpus < 0:
+            raise ConfigError(f"workers.num_gpus must not be negative, got {self.num_gpus}")
+        if self.num_cpus == 0 and not self.num_gpus:
+            raise ConfigError("workers.num_cpus and workers.num_gpus are both 0: reserve one")
+        if self.placement_timeout_s <= 0:
+            raise ConfigError("workers.placement_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,12 @@ def load_config(path: str | Path) -> KvmeshConfig:
         return config_from_dict({} if data is None else data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def config_to_dict(cfg: KvmeshConfig) -> dict[str, Any]:
+    """The plain mapping `config_from_dict` reads back (what the service hands an
+    attaching front door)."""
+    return dataclasses.asdict(cfg)
 
 
 def config_from_dict(data: Any) -> KvmeshConfig:

@@ -22,6 +22,8 @@ those keys only, each bound to its identity.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import sys
 import threading
 import time
@@ -30,17 +32,26 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cache_service.actor import RAY_NAMESPACE, get_service, start_service, stop_service
+from cache_service.actor import (
+    RAY_NAMESPACE,
+    get_service,
+    resolve_host,
+    start_service,
+    stop_service,
+)
 from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.events import Namespace
 from cache_service.server import ServerConfig
-from cluster.config import KvmeshConfig, load_config
+from cluster import placement
+from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
+from cluster.status import summarize
 from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
 from workers.worker import Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 
 
 class GenerateResult(NamedTuple):
@@ -51,7 +62,8 @@ class GenerateResult(NamedTuple):
 
 
 class WorkerActor(Worker):
-    """The worker as a Ray actor: settings arrive as a plain dict."""
+    """The worker as a Ray actor: settings arrive as a plain dict; the node it runs on
+    (where its placement-group bundle landed) fills in `node_id` and `host`."""
 
     def __init__(self, settings: dict[str, Any]):
         from workers.prefix_cache import PrefixCacheConfig
@@ -61,6 +73,8 @@ class WorkerActor(Worker):
         if settings.get("keypair") is not None:
             settings["keypair"] = KeyPair(*settings["keypair"])
         settings["page_peers"] = frozenset(settings.get("page_peers", ()))
+        settings["node_id"] = ray.get_runtime_context().get_node_id()
+        settings["host"] = resolve_host(settings["host"])
         super().__init__(WorkerSettings(**settings))
 
 
@@ -69,44 +83,48 @@ def connect(
     address: str | None = None,
     log=sys.stderr,
 ) -> Mesh:
-    """Start kvmesh and wait until every worker is ready.
+    """Start kvmesh, or attach to the mesh already running in the Ray cluster.
 
     Args:
-        config: a YAML path or a KvmeshConfig (default configs/local.yaml).
-        address: a Ray cluster to join; None starts an embedded local Ray instance
-            (unless this process is already connected to one).
+        config: a YAML path or a KvmeshConfig (default configs/local.yaml). An attaching
+            front door uses the running mesh's configuration instead (and says so when
+            the one given differs).
+        address: a Ray cluster to join ("auto": the one running on this machine); None
+            starts an embedded local Ray instance (unless this process is already
+            connected to one).
         log: where progress goes.
     Returns:
-        The Mesh; call `shutdown()` to stop what this call started.
+        The Mesh; `shutdown()` stops what this call started: everything when it started
+        the mesh, nothing (it only detaches) when it attached to a running one.
+    Raises:
+        PlacementError: the workers do not fit on the cluster (nothing is left behind).
+        MeshError: the mesh found in the cluster is incomplete.
     """
-    if config is None:
-        config = DEFAULT_CONFIG
-    cfg = config if isinstance(config, KvmeshConfig) else load_config(config)
-    started_ray = False
-    if not ray.is_initialized():
-        if address is None:
-            print("starting an embedded Ray instance...", file=log)
-            ray.init(
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                namespace=RAY_NAMESPACE,
-                log_to_driver=False,
-            )
-        else:
-            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
-        started_ray = True
+    # Read (and check) the configuration before joining Ray: a bad file changes nothing.
+    cfg = config if isinstance(config, KvmeshConfig | None) else load_config(config)
+    started_ray = _join_ray(address, log)
     try:
-        return Mesh._start(cfg, started_ray, log)
+        service = find_service()
+        if service is not None:
+            return Mesh._attach(service, started_ray, cfg, log)
+        return Mesh._start(cfg or load_config(DEFAULT_CONFIG), started_ray, False, log)
     except BaseException:
-        if ray.is_initialized():
-            stop_service()
-            if started_ray:
-                ray.shutdown()
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
         raise
 
 
+class MeshError(RuntimeError):
+    """The mesh in a Ray cluster cannot be used as it is (e.g. a worker is missing)."""
+
+
 class Mesh:
-    """A running kvmesh: the service actor, the worker actors, and a routing client."""
+    """A running kvmesh: the service actor, the worker actors, and a routing client.
+
+    A Mesh either started what it fronts (`owned`: `shutdown()` stops it) or attached to
+    a mesh started elsewhere (`kvmesh up`, another process's `connect`): `shutdown()`
+    then only detaches, and `stop()` stops the mesh for everyone.
+    """
 
     def __init__(
         self,
@@ -115,10 +133,12 @@ class Mesh:
         tokenizer: Any,
         started_ray: bool,
         keys: MeshKeys,
+        owned: bool,
     ):
         self.config = cfg
         self.workers = workers
         self.tokenizer = tokenizer
+        self.owned = owned
         self._started_ray = started_ray
         self._secret = keys.secret
         # The keys, when the mesh uses them (authentication on); None otherwise.
@@ -131,9 +151,12 @@ class Mesh:
         self._inflight = dict.fromkeys(workers, 0)
         self._lock = threading.Lock()
         self._closed = False
+        self._group = None  # the workers' placement group, when this Mesh reserved it
 
     @classmethod
-    def _start(cls, cfg: KvmeshConfig, started_ray: bool, log) -> Mesh:
+    def _start(cls, cfg: KvmeshConfig, started_ray: bool, detached: bool, log) -> Mesh:
+        """Reserve the workers' resources, start the service and the workers; on any
+        failure stop what was started."""
         service_cfg = ServerConfig(
             host=cfg.service.host,
             port=cfg.service.port,
@@ -147,45 +170,100 @@ class Mesh:
         worker_ids = [f"w{i}" for i in range(cfg.workers.count)]
         keys = MeshKeys.generate(worker_ids)
         auth = cfg.security.auth
-        print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
-        start_service(service_cfg, keys, auth)
-        tokenizer = _prepare_model(cfg.model.name, log)
-        nodes = _nodes()
+        # Placement first: a mesh that cannot be placed starts nothing.
+        group = placement.reserve(cfg.workers, detached, log)
         workers: dict[str, Any] = {}
-        actor_cls = ray.remote(WorkerActor)
-        for i, worker_id in enumerate(worker_ids):
-            node = nodes[i % len(nodes)]  # spread: worker i on node i mod N, head first
-            settings = {
-                "worker_id": worker_id,
-                "node_id": node["NodeID"],
-                "host": (
-                    "127.0.0.1" if cfg.workers.host == "loopback" else node["NodeManagerAddress"]
-                ),
-                "model": cfg.model.name,
-                "num_pages": cfg.store.num_pages,
-                "cache": dataclasses.asdict(cfg.cache),
-                "threads": cfg.workers.threads,
-                "publish_interval_s": cfg.workers.publish_interval_s,
-                "keypair": tuple(keys.workers[worker_id]) if auth else None,
-                "page_peers": sorted(keys.worker_publics()) if auth else [],
-                "mesh_secret": keys.secret,
-                "encrypt_pages": cfg.security.encrypt_pages,
-            }
-            workers[worker_id] = actor_cls.options(
-                name=f"kvmesh-worker-{worker_id}",
-                namespace=RAY_NAMESPACE,
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-            ).remote(settings)
-        mesh = cls(cfg, workers, tokenizer, started_ray, keys)
+        mesh = cls(cfg, workers, None, started_ray, keys, owned=True)
+        mesh._group = group
         try:
+            bundle = group.bundle_specs[0]
+            manifest = {
+                "config": config_to_dict(cfg),
+                "workers": worker_ids,
+                "launcher": "kvmesh up" if detached else "connect",
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": time.time(),
+            }
+            print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
+            head = placement.live_nodes()[0].node_id  # the service runs on the head node
+            start_service(service_cfg, keys, auth, manifest, node_id=head)
+            mesh.tokenizer = _prepare_model(cfg.model.name, log)
+            actor_cls = ray.remote(WorkerActor)
+            for i, worker_id in enumerate(worker_ids):
+                settings = {
+                    "worker_id": worker_id,
+                    "host": cfg.workers.host,
+                    "model": cfg.model.name,
+                    "num_pages": cfg.store.num_pages,
+                    "cache": dataclasses.asdict(cfg.cache),
+                    "threads": cfg.workers.threads,
+                    "publish_interval_s": cfg.workers.publish_interval_s,
+                    "keypair": tuple(keys.workers[worker_id]) if auth else None,
+                    "page_peers": sorted(keys.worker_publics()) if auth else [],
+                    "mesh_secret": keys.secret,
+                    "encrypt_pages": cfg.security.encrypt_pages,
+                }
+                workers[worker_id] = actor_cls.options(
+                    name=worker_actor_name(worker_id),
+                    namespace=RAY_NAMESPACE,
+                    lifetime="detached" if detached else None,
+                    num_cpus=bundle.get("CPU", 0.0),
+                    num_gpus=bundle.get("GPU", 0.0),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=i
+                    ),
+                ).remote(settings)
+            mesh._inflight = dict.fromkeys(workers, 0)
             infos = _wait_ready(workers, log)
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
         except BaseException:
-            mesh.shutdown()
+            mesh.stop()
             raise
         return mesh
+
+    @classmethod
+    def _attach(cls, service: Any, started_ray: bool, cfg: KvmeshConfig | None, log) -> Mesh:
+        """Front the mesh that `service` belongs to: its configuration, keys and workers
+        come from the cluster (through Ray), nothing is started."""
+        manifest = ray.get(service.describe.remote())
+        if not manifest:
+            raise MeshError(
+                "a kvmesh service runs in this Ray cluster without workers around it; "
+                "stop it (`kvmesh down --address ...`) or attach with the process that "
+                "started it"
+            )
+        running = config_from_dict(manifest["config"])
+        if cfg is not None and cfg != running:
+            print(
+                f"attaching to the mesh started by {manifest['launcher']} on "
+                f"{manifest['host']}: its configuration is used, not the one given",
+                file=log,
+            )
+        credentials = ray.get(service.credentials.remote())
+        keys = MeshKeys.from_dict(credentials["keys"])
+        workers, missing = {}, []
+        for worker_id in manifest["workers"]:
+            try:
+                workers[worker_id] = ray.get_actor(
+                    worker_actor_name(worker_id), namespace=RAY_NAMESPACE
+                )
+            except ValueError:
+                missing.append(worker_id)
+        if missing:
+            raise MeshError(
+                f"the mesh in this Ray cluster has lost workers {', '.join(missing)} "
+                f"(of {', '.join(manifest['workers'])}); stop it with `kvmesh down` and "
+                "start it again"
+            )
+        print(
+            f"attached to the mesh started by {manifest['launcher']} on {manifest['host']} "
+            f"({len(workers)} workers)",
+            file=log,
+        )
+        tokenizer = _prepare_model(running.model.name, log)
+        return cls(running, workers, tokenizer, started_ray, keys, owned=False)
 
     # ------------------------------------------------------------------ requests
 
@@ -254,27 +332,47 @@ class Mesh:
             pass  # told on a later request
 
     def stats(self) -> dict[str, Any]:
-        """Cluster-level figures: the service's index statistics plus each worker's."""
+        """Cluster-level figures, the same as `kvmesh status --json`: workers per node,
+        pages, hit rates (cluster, per worker, per tenant), the service epoch, and the
+        raw service and worker figures (see `cluster.status.summarize`). A worker that
+        does not answer is reported as not alive, with the error."""
         try:
             service = self._client.stats()
-        except ServiceUnavailable:
-            service = {"unavailable": True}
-        workers = dict(
-            zip(
-                self.workers,
-                ray.get([w.stats.remote() for w in self.workers.values()]),
-                strict=True,
-            )
-        )
-        return {"service": service, "workers": workers}
+        except ServiceUnavailable as exc:
+            service = {"unavailable": True, "error": str(exc)}
+        refs = {worker_id: w.stats.remote() for worker_id, w in self.workers.items()}
+        workers: dict[str, dict[str, Any]] = {}
+        for worker_id, ref in refs.items():
+            try:
+                workers[worker_id] = ray.get(ref, timeout=STATS_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:
+                workers[worker_id] = {"alive": False, "error": f"{type(exc).__name__}: {exc}"}
+        nodes = {node.node_id: node.address for node in placement.live_nodes()}
+        address = ray.get_runtime_context().gcs_address
+        return summarize(service, workers, nodes, address, self.config.security.auth)
 
     def check_integrity(self) -> None:
         ray.get([w.check_integrity.remote() for w in self.workers.values()])
         ray.get(get_service().check_integrity.remote())
 
     def shutdown(self) -> None:
-        """Stop the workers (unlinking their page stores), the service, and Ray if
-        `connect` started it. Idempotent."""
+        """Stop what `connect` started: the whole mesh when it started it (`stop()`), or
+        only this front door when it attached to a running mesh; then leave Ray if
+        `connect` joined it. Idempotent."""
+        if self._closed:
+            return
+        if self.owned:
+            self.stop()
+            return
+        self._closed = True
+        self._client.close()
+        if self._started_ray:
+            ray.shutdown()
+
+    def stop(self) -> None:
+        """Stop the mesh for everyone: the workers (each unlinks its page store), the
+        service, the workers' placement group; then leave Ray if `connect` joined it.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -286,6 +384,9 @@ class Mesh:
             ray.kill(handle, no_restart=True)
         self._client.close()
         stop_service()
+        group = self._group or placement.find_group()
+        if group is not None:
+            placement.release(group)
         if self._started_ray:
             ray.shutdown()
         from workers.page_store import reclaim_dead_segments
@@ -332,12 +433,40 @@ def _prepare_model(name: str, log) -> Any:
     return tokenizer
 
 
-def _nodes() -> list[dict[str, Any]]:
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    # Head first, then by id: placement is deterministic for a given cluster.
-    return sorted(
-        alive, key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"])
-    )
+def worker_actor_name(worker_id: str) -> str:
+    """The Ray name of a worker's actor (in RAY_NAMESPACE), by which front doors find it."""
+    return f"kvmesh-worker-{worker_id}"
+
+
+def find_service() -> Any | None:
+    """The service actor of the mesh in this Ray cluster, or None."""
+    try:
+        return get_service()
+    except ValueError:
+        return None
+
+
+def _join_ray(address: str | None, log) -> bool:
+    """Connect this process to Ray; True when it did (and so must disconnect)."""
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if address not in (None, "auto", current):
+            raise ValueError(
+                f"this process is already connected to Ray at {current}; it cannot join "
+                f"{address} too"
+            )
+        return False
+    if address is None:
+        print("starting an embedded Ray instance...", file=log)
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            namespace=RAY_NAMESPACE,
+            log_to_driver=False,
+        )
+    else:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    return True
 
 
 def _wait_ready(workers: dict[str, Any], log) -> list[dict[str, Any]]:

@@ -144,6 +144,8 @@ class Worker:
         self.requests = 0
         self.active = 0
         self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
+        # Prompt tokens by where their KV came from, over every finished request.
+        self.prompt_tokens = {"local_hit": 0, "remote_hit": 0, "computed": 0}
         self.cost = self._measure_costs()
 
     # ------------------------------------------------------------------ public
@@ -213,6 +215,10 @@ class Worker:
                 allocation.publish(allocation.num_tokens)
             finally:
                 allocation.release()
+            with self._lock:
+                self.prompt_tokens["local_hit"] += local
+                self.prompt_tokens["remote_hit"] += computed_from - local
+                self.prompt_tokens["computed"] += len(tokens) - computed_from
             self.publisher.sync()
         finally:
             with self._lock:
@@ -245,7 +251,9 @@ class Worker:
         return {
             "worker": self.worker_id,
             "node": self.settings.node_id,
+            "address": self.settings.host,
             "requests": self.requests,
+            "prompt_tokens": dict(self.prompt_tokens),
             "cache": self.cache.stats(),
             "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
             "pages_served": self.page_server.pages_sent,

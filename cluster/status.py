@@ -1,0 +1,210 @@
+"""What `kvmesh status` and `kvmesh top` show: one summary of the mesh, three views of it.
+
+`summarize` folds the service's statistics and each worker's into the figures an operator
+reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
+
+    {"ray_address", "epoch", "auth", "dashboard_url", "metrics_url",
+     "hit_rate":        prompt tokens served from a cache (local or copied) / all,
+     "index_hit_rate":  tokens the index found cached / tokens asked about,
+     "prompt_tokens":   {"local_hit", "remote_hit", "computed"} over all workers,
+     "pages":           {"total", "free", "cached", "in_use"} over all workers,
+     "nodes":           {node id: {"address", "workers": [worker ids]}},
+     "workers":         {worker id: the worker's own figures + "alive", "pages", "hit_rate"},
+     "tenants":         {tenant name: the index's counters + "hit_rate"},
+     "service":         the service's statistics as it reports them}
+
+A worker that did not answer appears as {"alive": False, "error": ...}. `render_status`
+draws the summary as text tables and `top_view` as the live view of `kvmesh top`, both
+with rich.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+PAGE_STATES = ("total", "free", "cached", "in_use")
+SOURCES = ("local_hit", "remote_hit", "computed")
+
+
+def summarize(
+    service: Mapping[str, Any],
+    workers: Mapping[str, Mapping[str, Any]],
+    nodes: Mapping[str, str],
+    ray_address: str,
+    auth: bool,
+) -> dict[str, Any]:
+    """The status of a mesh from its parts.
+
+    Args:
+        service: the service's statistics ({"unavailable": True, ...} when unreachable).
+        workers: worker id -> its `stats()`, or {"alive": False, "error": ...}.
+        nodes: node id -> address, for the cluster's live nodes.
+        ray_address: the Ray cluster's GCS address.
+        auth: whether the mesh authenticates its clients and peers.
+    """
+    pages = dict.fromkeys(PAGE_STATES, 0)
+    served = dict.fromkeys(SOURCES, 0)
+    by_node: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for worker_id, figures in sorted(workers.items()):
+        if figures.get("alive") is False:
+            rows[worker_id] = dict(figures)
+            continue
+        cache = figures["cache"]
+        own = {state: cache[f"{state}_pages"] for state in PAGE_STATES}
+        tokens = figures["prompt_tokens"]
+        for state in PAGE_STATES:
+            pages[state] += own[state]
+        for source in SOURCES:
+            served[source] += tokens[source]
+        rows[worker_id] = {
+            **figures,
+            "alive": True,
+            "pages": own,
+            "hit_rate": _served_rate(tokens),
+        }
+        node = by_node.setdefault(
+            figures["node"], {"address": nodes.get(figures["node"], "?"), "workers": []}
+        )
+        node["workers"].append(worker_id)
+    cluster = service.get("cluster", {})
+    return {
+        "ray_address": ray_address,
+        "epoch": service.get("epoch"),
+        "auth": auth,
+        "dashboard_url": None,
+        "metrics_url": None,
+        "hit_rate": _served_rate(served),
+        "index_hit_rate": _rate(cluster.get("hit_tokens", 0), cluster.get("queried_tokens", 0)),
+        "prompt_tokens": served,
+        "pages": pages,
+        "nodes": by_node,
+        "workers": rows,
+        "tenants": {
+            name: {**tally, "hit_rate": _rate(tally["hit_tokens"], tally["queried_tokens"])}
+            for name, tally in service.get("tenants", {}).items()
+        },
+        "service": dict(service),
+    }
+
+
+def render_status(status: Mapping[str, Any], width: int = 100) -> str:
+    """`kvmesh status` as text: the mesh, its workers per node, its tenants."""
+    return render(top_view(status), width)
+
+
+def render(renderable: RenderableType, width: int = 100) -> str:
+    """A rich renderable as plain text (no colour codes)."""
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, force_terminal=False).print(renderable)
+    return out.getvalue()
+
+
+def top_view(status: Mapping[str, Any], refreshed: str | None = None) -> RenderableType:
+    """The mesh as tables: a headline, the workers by node, the tenants."""
+    pages = status["pages"]
+    tokens = status["prompt_tokens"]
+    headline = Text.assemble(
+        ("kvmesh", "bold"),
+        f"  ray {status['ray_address']}  epoch {status['epoch']}",
+        f"  auth {'on' if status['auth'] else 'off'}",
+        f"  (refreshed {refreshed})" if refreshed else "",
+        "\n",
+        f"hit rate {_percent(status['hit_rate'])} of prompt tokens "
+        f"(local {tokens['local_hit']}, copied {tokens['remote_hit']}, "
+        f"computed {tokens['computed']});  index hit rate {_percent(status['index_hit_rate'])}",
+        "\n",
+        f"pages {pages['in_use']} in use, {pages['cached']} cached, {pages['free']} free "
+        f"of {pages['total']}",
+        *(
+            (f"\n{name} {status[key]}",)
+            for key, name in (("dashboard_url", "dashboard"), ("metrics_url", "metrics"))
+            if status.get(key)
+        ),
+    )
+    return Group(headline, _workers_table(status), _tenants_table(status))
+
+
+def run_top(
+    fetch: Callable[[], Mapping[str, Any]],
+    interval_s: float = 1.0,
+    console: Console | None = None,
+    iterations: int | None = None,
+) -> None:
+    """Redraw `top_view(fetch())` every `interval_s` until interrupted (or `iterations`)."""
+    count = 0
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        while iterations is None or count < iterations:
+            live.update(top_view(fetch(), time.strftime("%H:%M:%S")), refresh=True)
+            count += 1
+            if iterations is None or count < iterations:
+                time.sleep(interval_s)
+
+
+def _workers_table(status: Mapping[str, Any]) -> Table:
+    table = Table(title="workers", box=box.SIMPLE, title_justify="left")
+    for name in ("node", "worker", "address", "requests", "hit rate", "local", "copied",
+                 "computed", "in use", "cached", "free", "served"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("node", "worker", "address") else "right")
+    workers = status["workers"]
+    placed = set()
+    for node_id, node in sorted(status["nodes"].items()):
+        for worker_id in node["workers"]:
+            placed.add(worker_id)
+            w = workers[worker_id]
+            tokens, pages = w["prompt_tokens"], w["pages"]
+            table.add_row(
+                f"{node_id[:8]} {node['address']}",
+                worker_id,
+                w.get("address", ""),
+                str(w["requests"]),
+                _percent(w["hit_rate"]),
+                str(tokens["local_hit"]),
+                str(tokens["remote_hit"]),
+                str(tokens["computed"]),
+                str(pages["in_use"]),
+                str(pages["cached"]),
+                str(pages["free"]),
+                str(w.get("pages_served", 0)),
+            )
+    for worker_id in sorted(set(workers) - placed):
+        table.add_row("?", worker_id, "not alive: " + str(workers[worker_id].get("error", ""))[:60])
+    return table
+
+
+def _tenants_table(status: Mapping[str, Any]) -> Table:
+    table = Table(title="tenants (as the index saw them)", box=box.SIMPLE, title_justify="left")
+    for name in ("tenant", "queries", "tokens", "hit rate", "local", "remote", "missed"):
+        table.add_column(name, justify="left" if name == "tenant" else "right")
+    for name, t in sorted(status["tenants"].items()):
+        table.add_row(
+            name,
+            str(t["queries"]),
+            str(t["queried_tokens"]),
+            _percent(t["hit_rate"]),
+            str(t["local_hit_tokens"]),
+            str(t["remote_hit_tokens"]),
+            str(t["miss_tokens"]),
+        )
+    return table
+
+
+def _served_rate(tokens: Mapping[str, int]) -> float:
+    return _rate(tokens["local_hit"] + tokens["remote_hit"], sum(tokens[s] for s in SOURCES))
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _percent(rate: float) -> str:
+    return f"{100 * rate:.1f}%"
