@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -37,6 +38,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster import launch
+    from cluster.status import render_status
+
+    status = launch.up(args.config, args.address)
+    print(render_status(status), end="")
+    print(f"kvmesh is up: Ray at {status['ray_address']}; `kvmesh down` stops it")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from cluster import launch
+
+    if launch.down(args.address):
+        print("kvmesh is down")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster import launch
+    from cluster.status import render_status
+
+    with launch.attached(args.address) as mesh:
+        status = mesh.stats()
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+    else:
+        print(render_status(status), end="")
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from cluster import launch
+    from cluster.status import run_top
+
+    with launch.attached(args.address) as mesh, contextlib.suppress(KeyboardInterrupt):
+        run_top(mesh.stats, interval_s=args.interval)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh", description="A distributed, prefix-sharing KV-cache service on Ray."
@@ -46,6 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print only the JSON line")
     bench.set_defaults(func=cmd_bench)
+    address_help = "the Ray cluster's address (default: the one `kvmesh up` recorded)"
+    up = commands.add_parser("up", help="start the service and the workers, and leave them running")
+    up.add_argument("--config", required=True, help="the YAML configuration (configs/*.yaml)")
+    up.add_argument(
+        "--address",
+        help="a running Ray cluster to start in ('auto': the one on this machine); "
+        "default: start a Ray head of kvmesh's own on this machine",
+    )
+    up.set_defaults(func=cmd_up)
+    down = commands.add_parser("down", help="stop what `kvmesh up` started")
+    down.add_argument("--address", help=address_help)
+    down.set_defaults(func=cmd_down)
+    status = commands.add_parser("status", help="workers, pages and hit rates of the running mesh")
+    status.add_argument("--address", help=address_help)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=cmd_status)
+    top = commands.add_parser("top", help="a live view of the running mesh, refreshed every second")
+    top.add_argument("--address", help=address_help)
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.set_defaults(func=cmd_top)
     replay = commands.add_parser(
         "replay", help="replay a Mooncake trace through the real index and local caches"
     )
@@ -58,7 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from cluster.config import ConfigError
+    from cluster.errors import KvmeshError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KvmeshError as exc:
+        print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

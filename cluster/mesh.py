@@ -46,6 +46,7 @@ from cache_service.events import Namespace
 from cache_service.server import ServerConfig
 from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
+from cluster.errors import MeshError
 from cluster.status import summarize
 from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
 from workers.worker import Worker, WorkerSettings
@@ -114,10 +115,6 @@ def connect(
         raise
 
 
-class MeshError(RuntimeError):
-    """The mesh in a Ray cluster cannot be used as it is (e.g. a worker is missing)."""
-
-
 class Mesh:
     """A running kvmesh: the service actor, the worker actors, and a routing client.
 
@@ -137,7 +134,7 @@ class Mesh:
     ):
         self.config = cfg
         self.workers = workers
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.owned = owned
         self._started_ray = started_ray
         self._secret = keys.secret
@@ -188,7 +185,7 @@ class Mesh:
             print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
             head = placement.live_nodes()[0].node_id  # the service runs on the head node
             start_service(service_cfg, keys, auth, manifest, node_id=head)
-            mesh.tokenizer = _prepare_model(cfg.model.name, log)
+            mesh._tokenizer = _prepare_model(cfg.model.name, log)
             actor_cls = ray.remote(WorkerActor)
             for i, worker_id in enumerate(worker_ids):
                 settings = {
@@ -224,9 +221,17 @@ class Mesh:
         return mesh
 
     @classmethod
-    def _attach(cls, service: Any, started_ray: bool, cfg: KvmeshConfig | None, log) -> Mesh:
+    def _attach(
+        cls,
+        service: Any,
+        started_ray: bool,
+        cfg: KvmeshConfig | None,
+        log,
+        partial: bool = False,
+    ) -> Mesh:
         """Front the mesh that `service` belongs to: its configuration, keys and workers
-        come from the cluster (through Ray), nothing is started."""
+        come from the cluster (through Ray), nothing is started. `partial`: take the
+        workers that are left, when some are gone (to stop the rest)."""
         manifest = ray.get(service.describe.remote())
         if not manifest:
             raise MeshError(
@@ -251,7 +256,7 @@ class Mesh:
                 )
             except ValueError:
                 missing.append(worker_id)
-        if missing:
+        if missing and not partial:
             raise MeshError(
                 f"the mesh in this Ray cluster has lost workers {', '.join(missing)} "
                 f"(of {', '.join(manifest['workers'])}); stop it with `kvmesh down` and "
@@ -262,8 +267,15 @@ class Mesh:
             f"({len(workers)} workers)",
             file=log,
         )
-        tokenizer = _prepare_model(running.model.name, log)
-        return cls(running, workers, tokenizer, started_ray, keys, owned=False)
+        return cls(running, workers, None, started_ray, keys, owned=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for the tiny test model); an attached front door
+        loads it on first use."""
+        if self._tokenizer is None and self.config.model.name != "tiny":
+            self._tokenizer = _prepare_model(self.config.model.name, sys.stderr)
+        return self._tokenizer
 
     # ------------------------------------------------------------------ requests
 
@@ -357,12 +369,17 @@ class Mesh:
 
     def shutdown(self) -> None:
         """Stop what `connect` started: the whole mesh when it started it (`stop()`), or
-        only this front door when it attached to a running mesh; then leave Ray if
-        `connect` joined it. Idempotent."""
-        if self._closed:
-            return
+        only this front door when it attached to a running mesh (`detach()`).
+        Idempotent."""
         if self.owned:
             self.stop()
+        else:
+            self.detach()
+
+    def detach(self) -> None:
+        """Leave the mesh running and close this front door (and leave Ray if `connect`
+        joined it). Idempotent."""
+        if self._closed:
             return
         self._closed = True
         self._client.close()

@@ -22,13 +22,10 @@ import ray
 from ray.util import placement_group, placement_group_table, remove_placement_group
 
 from cluster.config import WorkersConfig
+from cluster.errors import PlacementError
 
 PLACEMENT_GROUP_NAME = "kvmesh-workers"
 STRATEGY = "SPREAD"
-
-
-class PlacementError(RuntimeError):
-    """The workers cannot be placed on this cluster; the message says what is missing."""
 
 
 class NodeResources(NamedTuple):

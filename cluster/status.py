@@ -3,7 +3,7 @@
 `summarize` folds the service's statistics and each worker's into the figures an operator
 reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
 
-    {"ray_address", "epoch", "auth", "dashboard_url", "metrics_url",
+    {"ray_address", "epoch", "service_address", "auth", "dashboard_url", "metrics_url",
      "hit_rate":        prompt tokens served from a cache (local or copied) / all,
      "index_hit_rate":  tokens the index found cached / tokens asked about,
      "prompt_tokens":   {"local_hit", "remote_hit", "computed"} over all workers,
@@ -79,7 +79,8 @@ def summarize(
     cluster = service.get("cluster", {})
     return {
         "ray_address": ray_address,
-        "epoch": service.get("epoch"),
+        "epoch": service.get("service", {}).get("epoch"),
+        "service_address": service.get("service", {}).get("address"),
         "auth": auth,
         "dashboard_url": None,
         "metrics_url": None,
@@ -97,12 +98,12 @@ def summarize(
     }
 
 
-def render_status(status: Mapping[str, Any], width: int = 100) -> str:
+def render_status(status: Mapping[str, Any], width: int = 120) -> str:
     """`kvmesh status` as text: the mesh, its workers per node, its tenants."""
     return render(top_view(status), width)
 
 
-def render(renderable: RenderableType, width: int = 100) -> str:
+def render(renderable: RenderableType, width: int = 120) -> str:
     """A rich renderable as plain text (no colour codes)."""
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, force_terminal=False).print(renderable)
@@ -115,7 +116,8 @@ def top_view(status: Mapping[str, Any], refreshed: str | None = None) -> Rendera
     tokens = status["prompt_tokens"]
     headline = Text.assemble(
         ("kvmesh", "bold"),
-        f"  ray {status['ray_address']}  epoch {status['epoch']}",
+        f"  ray {status['ray_address']}  service {status['service_address']}"
+        f"  epoch {status['epoch']}",
         f"  auth {'on' if status['auth'] else 'off'}",
         f"  (refreshed {refreshed})" if refreshed else "",
         "\n",
@@ -151,10 +153,13 @@ def run_top(
 
 
 def _workers_table(status: Mapping[str, Any]) -> Table:
-    table = Table(title="workers", box=box.SIMPLE, title_justify="left")
-    for name in ("node", "worker", "address", "requests", "hit rate", "local", "copied",
-                 "computed", "in use", "cached", "free", "served"):  # fmt: skip
-        table.add_column(name, justify="left" if name in ("node", "worker", "address") else "right")
+    table = Table(title="workers by node", box=box.SIMPLE, title_justify="left")
+    table.add_column("node")
+    table.add_column("worker")
+    table.add_column("page server")
+    for name in ("requests", "hit rate", "local", "copied", "computed", "pages used/cached/free"):
+        table.add_column(name, justify="right")
+    table.add_column("served", justify="right")
     workers = status["workers"]
     placed = set()
     for node_id, node in sorted(status["nodes"].items()):
@@ -163,21 +168,20 @@ def _workers_table(status: Mapping[str, Any]) -> Table:
             w = workers[worker_id]
             tokens, pages = w["prompt_tokens"], w["pages"]
             table.add_row(
-                f"{node_id[:8]} {node['address']}",
+                f"{node['address']} ({node_id[:8]})",
                 worker_id,
-                w.get("address", ""),
+                w["address"],
                 str(w["requests"]),
                 _percent(w["hit_rate"]),
                 str(tokens["local_hit"]),
                 str(tokens["remote_hit"]),
                 str(tokens["computed"]),
-                str(pages["in_use"]),
-                str(pages["cached"]),
-                str(pages["free"]),
-                str(w.get("pages_served", 0)),
+                f"{pages['in_use']}/{pages['cached']}/{pages['free']}",
+                str(w["pages_served"]),
             )
     for worker_id in sorted(set(workers) - placed):
-        table.add_row("?", worker_id, "not alive: " + str(workers[worker_id].get("error", ""))[:60])
+        error = str(workers[worker_id].get("error", ""))
+        table.add_row("?", worker_id, f"not alive: {error[:80]}")
     return table
 
 

@@ -1,0 +1,17 @@
+"""The errors the front door, the launcher and the placement raise for the user to act on."""
+
+
+class KvmeshError(RuntimeError):
+    """Something asked of a mesh cannot be done; the message says why and what to do."""
+
+
+class PlacementError(KvmeshError):
+    """The workers cannot be placed on this cluster; the message says what is missing."""
+
+
+class MeshError(KvmeshError):
+    """The mesh in a Ray cluster cannot be used as it is (e.g. a worker is missing)."""
+
+
+class LaunchError(KvmeshError):
+    """`kvmesh up`, `down`, `status` or `top` cannot do what was asked."""
