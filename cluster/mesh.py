@@ -21,6 +21,7 @@ those keys only, each bound to its identity.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -53,6 +54,8 @@ from workers.worker import Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
+SHUTDOWN_TIMEOUT_S = 60.0  # for every worker to unlink its store and stop serving
+EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
 
 
 class GenerateResult(NamedTuple):
@@ -77,6 +80,10 @@ class WorkerActor(Worker):
         settings["node_id"] = ray.get_runtime_context().get_node_id()
         settings["host"] = resolve_host(settings["host"])
         super().__init__(WorkerSettings(**settings))
+
+    def process(self) -> tuple[str, int]:
+        """(node id, pid) of this worker's process."""
+        return self.settings.node_id, os.getpid()
 
 
 def connect(
@@ -149,6 +156,7 @@ class Mesh:
         self._lock = threading.Lock()
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it
+        self._local_pids: list[int] = []  # the workers' processes on this node
 
     @classmethod
     def _start(cls, cfg: KvmeshConfig, started_ray: bool, detached: bool, log) -> Mesh:
@@ -215,6 +223,7 @@ class Mesh:
             mesh._inflight = dict.fromkeys(workers, 0)
             infos = _wait_ready(workers, log)
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
+            mesh._local_pids = _local_pids(workers)
         except BaseException:
             mesh.stop()
             raise
@@ -267,7 +276,9 @@ class Mesh:
             f"({len(workers)} workers)",
             file=log,
         )
-        return cls(running, workers, None, started_ray, keys, owned=False)
+        mesh = cls(running, workers, None, started_ray, keys, owned=False)
+        mesh._local_pids = _local_pids(workers)
+        return mesh
 
     @property
     def tokenizer(self) -> Any:
@@ -389,14 +400,18 @@ class Mesh:
     def stop(self) -> None:
         """Stop the mesh for everyone: the workers (each unlinks its page store), the
         service, the workers' placement group; then leave Ray if `connect` joined it.
-        Idempotent."""
+        A worker that is already dead (or does not stop) is killed, and its segments on
+        this node are reclaimed once its process has exited. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=60)
-        except Exception as exc:  # a dead worker: its segments are reclaimed below
-            print(f"kvmesh: a worker did not shut down cleanly: {exc}", file=sys.stderr)
+        calls = {worker_id: w.shutdown.remote() for worker_id, w in self.workers.items()}
+        ray.wait(list(calls.values()), num_returns=len(calls), timeout=SHUTDOWN_TIMEOUT_S)
+        for worker_id, call in calls.items():
+            try:
+                ray.get(call, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                print(f"kvmesh: worker {worker_id} did not stop cleanly: {exc}", file=sys.stderr)
         for handle in self.workers.values():
             ray.kill(handle, no_restart=True)
         self._client.close()
@@ -404,11 +419,14 @@ class Mesh:
         group = self._group or placement.find_group()
         if group is not None:
             placement.release(group)
-        if self._started_ray:
-            ray.shutdown()
+        # ray.kill returns before the process exits; a dead owner's segments can only be
+        # told from a live one's after that.
+        _await_exit(self._local_pids, EXIT_TIMEOUT_S)
         from workers.page_store import reclaim_dead_segments
 
         reclaim_dead_segments()
+        if self._started_ray:
+            ray.shutdown()
 
     # ------------------------------------------------------------------ internals
 
@@ -461,6 +479,26 @@ def find_service() -> Any | None:
         return get_service()
     except ValueError:
         return None
+
+
+def _local_pids(workers: dict[str, Any]) -> list[int]:
+    """The pids of the workers that run on this node (a dead one is skipped)."""
+    here = ray.get_runtime_context().get_node_id()
+    calls = [w.process.remote() for w in workers.values()]
+    ray.wait(calls, num_returns=len(calls), timeout=STATS_TIMEOUT_S)
+    pids = []
+    for call in calls:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            node_id, pid = ray.get(call, timeout=0)
+            if node_id == here:
+                pids.append(pid)
+    return pids
+
+
+def _await_exit(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _join_ray(address: str | None, log) -> bool:

@@ -154,21 +154,21 @@ def run_top(
 
 def _workers_table(status: Mapping[str, Any]) -> Table:
     table = Table(title="workers by node", box=box.SIMPLE, title_justify="left")
-    table.add_column("node")
-    table.add_column("worker")
-    table.add_column("page server")
+    table.add_column("node", no_wrap=True)
+    table.add_column("worker", no_wrap=True)
+    table.add_column("page server", no_wrap=True)
     for name in ("requests", "hit rate", "local", "copied", "computed", "pages used/cached/free"):
         table.add_column(name, justify="right")
     table.add_column("served", justify="right")
     workers = status["workers"]
     placed = set()
-    for node_id, node in sorted(status["nodes"].items()):
+    for node_id, node in sorted(status["nodes"].items(), key=lambda item: item[1]["address"]):
         for worker_id in node["workers"]:
             placed.add(worker_id)
             w = workers[worker_id]
             tokens, pages = w["prompt_tokens"], w["pages"]
             table.add_row(
-                f"{node['address']} ({node_id[:8]})",
+                f"{node['address']} {node_id[:8]}",
                 worker_id,
                 w["address"],
                 str(w["requests"]),

@@ -146,6 +146,8 @@ class Worker:
         self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
         # Prompt tokens by where their KV came from, over every finished request.
         self.prompt_tokens = {"local_hit": 0, "remote_hit": 0, "computed": 0}
+        # Page bytes copied in from peers, by path (refused pages included: they moved).
+        self.copy_bytes = {"same_node": 0, "remote": 0}
         self.cost = self._measure_costs()
 
     # ------------------------------------------------------------------ public
@@ -251,9 +253,10 @@ class Worker:
         return {
             "worker": self.worker_id,
             "node": self.settings.node_id,
-            "address": self.settings.host,
+            "address": self.page_server.address,  # where peers on other nodes fetch pages
             "requests": self.requests,
             "prompt_tokens": dict(self.prompt_tokens),
+            "copy_bytes": dict(self.copy_bytes),
             "cache": self.cache.stats(),
             "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
             "pages_served": self.page_server.pages_sent,
@@ -308,6 +311,10 @@ class Worker:
                 break
             digests = expected[page_range[0] : page_range[1]]
             valid = self._fetch(peer, pages, gens, digests, targets, remote)
+            with self._lock:
+                self.copy_bytes["remote" if remote else "same_node"] += (
+                    len(pages) * self.store.layout.page_bytes
+                )
             self.copies_refused += valid.count(False)
             good = next((i for i, ok in enumerate(valid) if not ok), len(valid))
             copied_to = page_range[0] + good

@@ -10,6 +10,8 @@ once. Tenants never share pages.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import ray
 import torch
@@ -66,67 +68,93 @@ def _same(result, reference) -> None:
     assert diff <= ATOL, f"last-token logits differ by {diff}"
 
 
-def test_nodes_are_distinct(mesh):
+class Roles(NamedTuple):
+    """Where the placement group put the three workers: two share a node, one is alone."""
+
+    first: str
+    neighbour: str  # on first's node
+    alone: str  # on the other node
+
+
+@pytest.fixture(scope="module")
+def roles(mesh) -> Roles:
     infos = ray.get([w.info.remote() for w in mesh.workers.values()])
-    nodes = {info["worker_id"]: info["node_id"] for info in infos}
-    assert nodes["w0"] == nodes["w2"] != nodes["w1"]
+    by_node: dict[str, list[str]] = {}
+    for info in infos:
+        by_node.setdefault(info["node_id"], []).append(info["worker_id"])
+    assert sorted(len(ids) for ids in by_node.values()) == [1, 2]  # spread over both nodes
+    (pair,) = (sorted(ids) for ids in by_node.values() if len(ids) == 2)
+    (alone,) = (ids[0] for ids in by_node.values() if len(ids) == 1)
+    return Roles(pair[0], pair[1], alone)
 
 
-def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt):
+def test_workers_are_spread_over_the_nodes(roles):
+    assert len({roles.first, roles.neighbour, roles.alone}) == 3
+
+
+def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles):
     n = len(prompt)
-    cold = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker="w0", return_logits=True)
+    cold = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
     assert cold.stats["computed_tokens"] == n
     assert cold.stats["local_hit_tokens"] == cold.stats["remote_hit_tokens"] == 0
 
-    own = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker="w0", return_logits=True)
+    own = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
     # every full page of the prompt (the partial last one stays private to its request)
     assert own.stats["local_hit_tokens"] == n // 16 * 16
     _same(own, cold)
 
-    same_node = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker="w2", return_logits=True)
+    same_node = mesh.generate(
+        prompt, NEW_TOKENS, tenant="a", worker=roles.neighbour, return_logits=True
+    )
     assert same_node.stats["remote_hit_tokens"] >= (n - 1) // 16 * 16
     assert same_node.stats["local_hit_tokens"] == 0
     _same(same_node, cold)
 
-    served_before = mesh.stats()["workers"]["w0"]["pages_served"]
-    other_node = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker="w1", return_logits=True)
+    served_before = mesh.stats()["workers"][roles.first]["pages_served"]
+    other_node = mesh.generate(
+        prompt, NEW_TOKENS, tenant="a", worker=roles.alone, return_logits=True
+    )
     assert other_node.stats["remote_hit_tokens"] >= (n - 1) // 16 * 16
     _same(other_node, cold)
-    # w1 is alone on its node: its pages came over a page server on the head node
+    # alone on its node: its pages came over a page server on the other node
     workers = mesh.stats()["workers"]
-    served = workers["w0"]["pages_served"] + workers["w2"]["pages_served"]
+    served = workers[roles.first]["pages_served"] + workers[roles.neighbour]["pages_served"]
     assert served > served_before
 
 
-def test_partly_matched_page_is_copied_on_write(mesh, prompt):
+def test_partly_matched_page_is_copied_on_write(mesh, prompt, roles):
     cut = len(prompt) - 7
     assert cut % 16 not in (0, 15)
     variant = prompt[:cut] + mesh.tokenizer.encode(" Thanks!")
-    mesh.generate(prompt, 1, tenant="b", worker="w0")
-    cold = mesh.generate(variant, NEW_TOKENS, tenant="b-fresh", worker="w0", return_logits=True)
+    mesh.generate(prompt, 1, tenant="b", worker=roles.first)
+    cold = mesh.generate(
+        variant, NEW_TOKENS, tenant="b-fresh", worker=roles.first, return_logits=True
+    )
     assert cold.stats["computed_tokens"] == len(variant)
-    cow = mesh.generate(variant, NEW_TOKENS, tenant="b", worker="w0", return_logits=True)
+    cow = mesh.generate(variant, NEW_TOKENS, tenant="b", worker=roles.first, return_logits=True)
     assert cow.stats["local_hit_tokens"] == cut  # full pages plus part of the next
     _same(cow, cold)
 
 
-def test_several_peers_at_once(mesh, prompt):
+def test_several_peers_at_once(mesh, prompt, roles):
     extended = prompt + mesh.tokenizer.encode(" And on Sunday?")
-    cold = mesh.generate(extended, NEW_TOKENS, tenant="c-fresh", worker="w1", return_logits=True)
-    mesh.generate(prompt, 1, tenant="c", worker="w0")
-    mesh.generate(prompt, 1, tenant="c", worker="w2")  # w0 and w2 both hold it now
+    cold = mesh.generate(
+        extended, NEW_TOKENS, tenant="c-fresh", worker=roles.alone, return_logits=True
+    )
+    mesh.generate(prompt, 1, tenant="c", worker=roles.first)
+    mesh.generate(prompt, 1, tenant="c", worker=roles.neighbour)  # both hold it now
     before = mesh.stats()["workers"]
-    out = mesh.generate(extended, NEW_TOKENS, tenant="c", worker="w1", return_logits=True)
+    out = mesh.generate(extended, NEW_TOKENS, tenant="c", worker=roles.alone, return_logits=True)
     after = mesh.stats()["workers"]
     assert out.stats["remote_hit_tokens"] >= len(prompt) // 16 * 16 - 16
-    for holder in ("w0", "w2"):
+    for holder in (roles.first, roles.neighbour):
         assert after[holder]["pages_served"] > before[holder]["pages_served"], holder
     _same(out, cold)
 
 
-def test_tenants_never_share_pages(mesh, prompt):
-    mesh.generate(prompt, 1, tenant="d", worker="w0")
-    other = mesh.generate(prompt, 1, tenant="e", worker="w0")
+def test_tenants_never_share_pages(mesh, prompt, roles):
+    mesh.generate(prompt, 1, tenant="d", worker=roles.first)
+    other = mesh.generate(prompt, 1, tenant="e", worker=roles.first)
     assert other.stats["local_hit_tokens"] == other.stats["remote_hit_tokens"] == 0
     tenants = mesh.stats()["service"]["tenants"]
     assert "d" in tenants and "e" in tenants  # by the names the front door gave them
@@ -134,8 +162,8 @@ def test_tenants_never_share_pages(mesh, prompt):
     assert mesh.salt("d") not in tenants and mesh.salt("e") not in tenants
 
 
-def test_routing_sends_a_prompt_to_its_holder(mesh, prompt):
-    mesh.generate(prompt, 1, tenant="f", worker="w1")
+def test_routing_sends_a_prompt_to_its_holder(mesh, prompt, roles):
+    mesh.generate(prompt, 1, tenant="f", worker=roles.alone)
     routed = mesh.generate(prompt + [13], 1, tenant="f")
-    assert routed.stats["worker"] == "w1"
+    assert routed.stats["worker"] == roles.alone
     assert routed.stats["local_hit_tokens"] >= len(prompt) // 16 * 16

@@ -19,6 +19,7 @@ import workers
 from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
+from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
 from workers.client import ServiceError, ServiceUnavailable
 from workers.model_runner import LayoutMismatchError, ModelNotFoundError
 from workers.page_store import (
@@ -39,6 +40,10 @@ SAMPLES = [
     (StaleEpoch("worker 'w0' is at epoch 7, not 6"), ()),
     (RegistryFull("1024 workers registered, each holding pages"), ()),
     (ConfigError("unknown key 'x'"), ()),
+    (KvmeshError("cannot be done"), ()),
+    (PlacementError("cannot place 3 workers of CPU 1 each"), ()),
+    (MeshError("the mesh has lost workers w1"), ()),
+    (LaunchError("kvmesh is already up"), ()),
     (CacheFull("40 tokens do not fit"), ()),
     (PageStoreError("closed"), ()),
     (NotOwnerError("read-only"), ()),
