@@ -42,7 +42,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from cluster import launch
     from cluster.status import render_status
 
-    status = launch.up(args.config, args.address)
+    status = launch.up(
+        args.config, args.address, min_nodes=args.min_nodes, nodes_timeout_s=args.nodes_timeout
+    )
     print(render_status(status), end="")
     print(f"kvmesh is up: Ray at {status['ray_address']}; `kvmesh down` stops it")
     return 0
@@ -95,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a running Ray cluster to start in ('auto': the one on this machine); "
         "default: start a Ray head of kvmesh's own on this machine",
     )
+    up.add_argument(
+        "--min-nodes",
+        type=int,
+        default=1,
+        help="wait for this many live Ray nodes before placing the workers (default 1)",
+    )
+    up.add_argument("--nodes-timeout", type=float, default=600.0, help="seconds to wait for them")
     up.set_defaults(func=cmd_up)
     down = commands.add_parser("down", help="stop what `kvmesh up` started")
     down.add_argument("--address", help=address_help)

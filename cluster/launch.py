@@ -41,6 +41,7 @@ from cache_service.actor import RAY_NAMESPACE
 from cluster.config import KvmeshConfig, load_config
 from cluster.errors import LaunchError
 from cluster.mesh import Mesh, find_service
+from cluster.placement import live_nodes
 
 RECORD_NAME = "mesh.json"
 RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for its own token authentication
@@ -106,7 +107,13 @@ def _locked() -> Iterator[None]:
         yield
 
 
-def up(config: str | Path, address: str | None = None, log=sys.stderr) -> dict[str, Any]:
+def up(
+    config: str | Path,
+    address: str | None = None,
+    log=sys.stderr,
+    min_nodes: int = 1,
+    nodes_timeout_s: float = 600.0,
+) -> dict[str, Any]:
     """Start a mesh that keeps running after this call returns.
 
     Args:
@@ -114,6 +121,9 @@ def up(config: str | Path, address: str | None = None, log=sys.stderr) -> dict[s
         address: a running Ray cluster to start it in ("auto": the one on this machine);
             None starts a Ray head of its own on this machine.
         log: where progress goes.
+        min_nodes: wait until the cluster has this many live nodes before placing the
+            workers (a `ray up` head starts before its worker nodes have joined).
+        nodes_timeout_s: how long to wait for them.
     Returns:
         The new mesh's status (`Mesh.stats()`).
     Raises:
@@ -123,6 +133,8 @@ def up(config: str | Path, address: str | None = None, log=sys.stderr) -> dict[s
             is left behind.
     """
     cfg = load_config(config)
+    if min_nodes < 1:
+        raise LaunchError(f"min_nodes must be at least 1, got {min_nodes}")
     with _locked():
         record = read_record()
         if record is not None:
@@ -140,7 +152,10 @@ def up(config: str | Path, address: str | None = None, log=sys.stderr) -> dict[s
             _clear_record()
         head = _start_head(log) if address is None else None
         try:
-            return _up_in(cfg, str(Path(config).resolve()), address or head.address, head, log)
+            where = address or head.address
+            return _up_in(
+                cfg, str(Path(config).resolve()), where, head, log, min_nodes, nodes_timeout_s
+            )
         except BaseException:
             if head is not None:
                 _stop_head(head.head_pid, log)
@@ -148,7 +163,13 @@ def up(config: str | Path, address: str | None = None, log=sys.stderr) -> dict[s
 
 
 def _up_in(
-    cfg: KvmeshConfig, config: str, address: str, head: LaunchRecord | None, log
+    cfg: KvmeshConfig,
+    config: str,
+    address: str,
+    head: LaunchRecord | None,
+    log,
+    min_nodes: int,
+    nodes_timeout_s: float,
 ) -> dict[str, Any]:
     _join(address, head.ray_auth_mode if head else None)
     try:
@@ -157,6 +178,7 @@ def _up_in(
                 f"a kvmesh mesh already runs in the Ray cluster at {address}; "
                 f"`kvmesh down --address {address}` stops it"
             )
+        _wait_for_nodes(min_nodes, nodes_timeout_s, log)
         mesh = Mesh._start(cfg, started_ray=False, detached=True, log=log)
         record = LaunchRecord(
             address=ray.get_runtime_context().gcs_address,
@@ -173,6 +195,19 @@ def _up_in(
         return status
     finally:
         ray.shutdown()
+
+
+def _wait_for_nodes(count: int, timeout_s: float, log) -> None:
+    start = time.monotonic()
+    while (alive := len(live_nodes())) < count:
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise LaunchError(
+                f"the Ray cluster has {alive} live node(s) after {waited:.0f}s; "
+                f"--min-nodes asked for {count}"
+            )
+        print(f"waiting for Ray nodes: {alive}/{count} ({waited:.0f}s)", file=log)
+        time.sleep(5.0)
 
 
 def down(address: str | None = None, log=sys.stderr) -> bool:

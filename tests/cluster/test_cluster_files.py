@@ -12,6 +12,7 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private import util as autoscaler_util
 
+from cluster.cli import build_parser
 from cluster.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,11 +72,16 @@ def test_a_broken_cluster_file_fails_the_schema(change):
 def test_the_head_starts_ray_then_kvmesh_with_the_multinode_config():
     commands = _cluster_file()["head_start_ray_commands"]
     ray_start = _index(commands, "ray start --head")
-    kvmesh_up = _index(commands, "kvmesh up")
+    kvmesh_up = _index(commands, "nohup kvmesh up")  # in the background: see the file
     assert ray_start < kvmesh_up
-    up = commands[kvmesh_up].split()
-    assert up[up.index("--config") + 1] == "~/kvmesh/configs/multinode.yaml"
-    assert up[up.index("--address") + 1] == "auto"
+    words = commands[kvmesh_up].split()
+    argv = words[words.index("kvmesh") + 1 : words.index(">")]  # before the redirection
+    args = build_parser().parse_args(argv)  # the command line kvmesh itself accepts
+    assert args.command == "up"
+    assert args.config == "~/kvmesh/configs/multinode.yaml"
+    assert args.address == "auto"
+    # every machine of the file has joined before the workers are spread over them
+    assert args.min_nodes == 1 + len(_cluster_file()["provider"]["worker_ips"])
 
 
 def test_workers_join_the_head_started_ray():

@@ -147,3 +147,11 @@ def test_an_unplaceable_up_leaves_nothing(operator):
     assert "starting a Ray head" in up.stderr  # it got that far, and stopped it again
     assert not (root / "state" / "mesh.json").exists()
     assert set(processes_mentioning("kvmesh-ray-")) <= heads_before
+
+    # Nodes that never join: --min-nodes gives up after its timeout, leaving nothing.
+    config = str(root / "tiny.yaml")
+    up = kvmesh("up", "--config", config, "--min-nodes", "2", "--nodes-timeout", "1", env=env)
+    assert up.returncode == 1
+    assert "has 1 live node(s)" in up.stderr and "--min-nodes asked for 2" in up.stderr
+    assert not (root / "state" / "mesh.json").exists()
+    assert set(processes_mentioning("kvmesh-ray-")) <= heads_before

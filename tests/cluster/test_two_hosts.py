@@ -209,8 +209,9 @@ def kvmesh_sockets(status: dict) -> set[tuple[str, str]]:
 def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts):
     kvmesh = str(BIN / "kvmesh")
     up = hosts.a.run(
-        kvmesh, "up", "--config", str(MULTINODE), "--address", hosts.ray_address, env=hosts.env
-    )
+        kvmesh, "up", "--config", str(MULTINODE), "--address", hosts.ray_address,
+        "--min-nodes", "2", env=hosts.env,
+    )  # fmt: skip
     assert up.returncode == 0, up.stderr[-3000:]
 
     status = hosts.a.run(kvmesh, "status", "--json", env=hosts.env)
