@@ -232,6 +232,8 @@ def down(address: str | None = None, log=sys.stderr) -> bool:
         if head_alive:
             _stop_head(head_pid, log)
             stopped = True
+        elif head_pid is not None:
+            print(f"the Ray head `kvmesh up` started (pid {head_pid}) is gone already", file=log)
         if ours:
             _clear_record()
         from workers.page_store import reclaim_dead_segments

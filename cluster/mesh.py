@@ -21,7 +21,6 @@ those keys only, each bound to its identity.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -363,13 +362,17 @@ class Mesh:
             service = self._client.stats()
         except ServiceUnavailable as exc:
             service = {"unavailable": True, "error": str(exc)}
-        refs = {worker_id: w.stats.remote() for worker_id, w in self.workers.items()}
-        workers: dict[str, dict[str, Any]] = {}
-        for worker_id, ref in refs.items():
-            try:
-                workers[worker_id] = ray.get(ref, timeout=STATS_TIMEOUT_S)
-            except ray.exceptions.RayError as exc:
-                workers[worker_id] = {"alive": False, "error": f"{type(exc).__name__}: {exc}"}
+        answers = _gather(
+            {wid: w.stats.remote() for wid, w in self.workers.items()}, STATS_TIMEOUT_S
+        )
+        workers = {
+            worker_id: (
+                {"alive": False, "error": f"{type(answer).__name__}: {answer}"}
+                if isinstance(answer, Exception)
+                else answer
+            )
+            for worker_id, answer in answers.items()
+        }
         nodes = {node.node_id: node.address for node in placement.live_nodes()}
         address = ray.get_runtime_context().gcs_address
         return summarize(service, workers, nodes, address, self.config.security.auth)
@@ -406,12 +409,9 @@ class Mesh:
             return
         self._closed = True
         calls = {worker_id: w.shutdown.remote() for worker_id, w in self.workers.items()}
-        ray.wait(list(calls.values()), num_returns=len(calls), timeout=SHUTDOWN_TIMEOUT_S)
-        for worker_id, call in calls.items():
-            try:
-                ray.get(call, timeout=0)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                print(f"kvmesh: worker {worker_id} did not stop cleanly: {exc}", file=sys.stderr)
+        for worker_id, answer in _gather(calls, SHUTDOWN_TIMEOUT_S).items():
+            if isinstance(answer, Exception):
+                print(f"kvmesh: worker {worker_id} did not stop cleanly: {answer}", file=sys.stderr)
         for handle in self.workers.values():
             ray.kill(handle, no_restart=True)
         self._client.close()
@@ -484,15 +484,22 @@ def find_service() -> Any | None:
 def _local_pids(workers: dict[str, Any]) -> list[int]:
     """The pids of the workers that run on this node (a dead one is skipped)."""
     here = ray.get_runtime_context().get_node_id()
-    calls = [w.process.remote() for w in workers.values()]
-    ray.wait(calls, num_returns=len(calls), timeout=STATS_TIMEOUT_S)
-    pids = []
-    for call in calls:
-        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-            node_id, pid = ray.get(call, timeout=0)
-            if node_id == here:
-                pids.append(pid)
-    return pids
+    calls = {worker_id: w.process.remote() for worker_id, w in workers.items()}
+    answers = _gather(calls, STATS_TIMEOUT_S).values()
+    return [a[1] for a in answers if not isinstance(a, Exception) and a[0] == here]
+
+
+def _gather(calls: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Each call's result, or the exception it raised (a dead actor, or no answer within
+    `timeout_s` in all): one slow or dead worker costs the others nothing."""
+    ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+    answers: dict[str, Any] = {}
+    for key, call in calls.items():
+        try:
+            answers[key] = ray.get(call, timeout=0)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            answers[key] = exc
+    return answers
 
 
 def _await_exit(pids: list[int], timeout_s: float) -> None:
