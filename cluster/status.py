@@ -157,7 +157,7 @@ def _workers_table(status: Mapping[str, Any]) -> Table:
     table.add_column("node", no_wrap=True)
     table.add_column("worker", no_wrap=True)
     table.add_column("page server", no_wrap=True)
-    for name in ("requests", "hit rate", "local", "copied", "computed", "pages used/cached/free"):
+    for name in ("requests", "hit rate", "local", "copied", "computed", "pages u/c/f"):
         table.add_column(name, justify="right")
     table.add_column("served", justify="right")
     workers = status["workers"]
