@@ -44,6 +44,8 @@ class ServiceActor:
     ):
         config = dict(config)
         config["host"] = resolve_host(config.get("host", "loopback"))
+        if config.get("metrics_host") is not None:
+            config["metrics_host"] = resolve_host(config["metrics_host"])
         self.config = ServerConfig(**config)
         self.keys = MeshKeys.from_dict(keys)
         self.auth = auth
@@ -58,6 +60,7 @@ class ServiceActor:
             "address": self.server.address,
             "epoch": self.server.epoch,
             "server_key": self.keys.service.public if self.auth else None,
+            "metrics_url": self.server.metrics_url,
         }
 
     def credentials(self) -> dict[str, Any]:

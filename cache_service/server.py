@@ -39,8 +39,9 @@ from typing import Any, TypeVar
 
 import msgpack
 import zmq
+from prometheus_client import CollectorRegistry
 
-from cache_service import protocol, zap
+from cache_service import metrics, protocol, zap
 from cache_service.addresses import check_bind_host
 from cache_service.auth import Identity, ServerKeys, allowed
 from cache_service.index import GlobalIndex, RegistryFull, StaleEpoch
@@ -67,6 +68,7 @@ from cache_service.messages import (
     StatsReply,
 )
 from cache_service.protocol import ProtocolError
+from cache_service.web import WebServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,9 +102,22 @@ class ServerConfig:
     max_workers: int = 1024
     max_tenants: int = 256
     max_spans: int = 16
+    # The HTTP port for Prometheus (/metrics): loopback unless told otherwise, and beyond
+    # loopback only with an access token. None: no HTTP port.
+    metrics_host: str | None = "127.0.0.1"
+    metrics_port: int = 0
+    metrics_token: str = ""
+    # How often the loop publishes a fresh metrics snapshot.
+    metrics_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
+        if self.metrics_host is not None:
+            check_bind_host(self.metrics_host, "metrics_host")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_interval_s <= 0:
+            raise ValueError("metrics_interval_s must be positive")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.liveness_timeout_s <= 0 or self.housekeeping_interval_s <= 0:
@@ -152,6 +167,11 @@ class ServiceServer:
         self._address = ""
         self.requests = 0
         self.errors = 0
+        # Metrics: the loop times matches and publishes snapshots; the web thread serves.
+        self._lookup = metrics.Histogram(metrics.LOOKUP_BUCKETS)
+        self._collector = metrics.SnapshotCollector()
+        self._web: WebServer | None = None
+        self._next_metrics = 0.0
         # Calls from other threads, run by the loop; `_running` and the queue change
         # together under `_calls_lock`, so no call is queued after the loop stopped.
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
@@ -177,6 +197,11 @@ class ServiceServer:
     def address(self) -> str:
         """The bound endpoint, e.g. "tcp://127.0.0.1:40123" ("" before start)."""
         return self._address
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes, e.g. "http://127.0.0.1:40125/metrics" (None: no port)."""
+        return None if self._web is None else f"{self._web.url}/metrics"
 
     def start(self) -> str:
         """Bind and start serving in a daemon thread; returns the bound address."""
@@ -210,6 +235,16 @@ class ServiceServer:
         self._wake = self._context.socket(zmq.PAIR)
         self._wake.linger = 0
         self._wake.connect(self._wake_address)
+        if self.config.metrics_host is not None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(self._collector)
+            self._web = WebServer(
+                registry,
+                self.config.metrics_host,
+                self.config.metrics_port,
+                self.config.metrics_token,
+            )
+            self._web.start()
         self.index.hand_off()  # the loop thread takes it on its first call
         self._running = True
         self._thread = threading.Thread(
@@ -234,6 +269,8 @@ class ServiceServer:
         if self._zap_domain:
             zap.close_domain(self._zap_domain)
             self._zap_domain = ""
+        if self._web is not None:
+            self._web.stop()
 
     # ------------------------------------------------------------------ calls into the loop
 
@@ -328,7 +365,19 @@ class ServiceServer:
                 self.config.liveness_timeout_s,
                 ", ".join(expired),
             )
+        if self._web is not None and (expired or now >= self._next_metrics):
+            self.publish_metrics()
+            self._next_metrics = now + self.config.metrics_interval_s
         return expired
+
+    def publish_metrics(self) -> None:
+        """Hand the web thread a fresh snapshot of the figures (on the loop thread, which
+        owns the index; from any other thread the call is queued to the loop)."""
+        self._in_loop(
+            lambda: self._collector.publish(
+                metrics.snapshot_from(self.index.stats(), self.epoch, self._lookup)
+            )
+        )
 
     def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], Identity | None]:
         """One message's frames and who sent it (None without keys).
@@ -417,8 +466,11 @@ class ServiceServer:
         return ResyncReply(0 if info is None else info.pages)
 
     def _match(self, request: Match) -> MatchResult:
+        start = time.perf_counter()
         # Packed spans go out as the bytes the index made; no ints built and repacked.
-        return self.index.match_packed(request.namespace, request.tokens, request.requester)
+        result = self.index.match_packed(request.namespace, request.tokens, request.requester)
+        self._lookup.observe(time.perf_counter() - start)
+        return result
 
     def _route(self, request: Route) -> RouteDecision:
         return self.index.route(request.namespace, request.tokens, request.loads)
@@ -434,6 +486,7 @@ class ServiceServer:
             "requests": self.requests,
             "errors": self.errors,
             "address": self._address,
+            "metrics_url": self.metrics_url,
         }
         return _fitted(stats, self.limits.max_frame_bytes - 1024)
 

@@ -125,9 +125,20 @@ class ServiceConfig:
     max_workers: int = 1024
     max_tenants: int = 256
     max_spans: int = 16
+    # The Prometheus port (/metrics) on the service: "loopback" by default; "node" or an
+    # address of this node only with an access token (sent as a bearer token).
+    metrics_host: str = "loopback"
+    metrics_port: int = 0
+    metrics_token: str = ""
 
     def __post_init__(self) -> None:
         _check_host(self.host, "service.host")
+        _check_host(self.metrics_host, "service.metrics_host")
+        if self.metrics_host != "loopback" and not self.metrics_token:
+            raise ConfigError(
+                f"service.metrics_host {self.metrics_host!r} is reachable beyond this machine: "
+                "set service.metrics_token"
+            )
         if self.liveness_timeout_s <= 0:
             raise ConfigError("service.liveness_timeout_s must be positive")
         for name in ("max_workers", "max_tenants", "max_spans"):

@@ -170,6 +170,9 @@ class Mesh:
             max_workers=cfg.service.max_workers,
             max_tenants=cfg.service.max_tenants,
             max_spans=cfg.service.max_spans,
+            metrics_host=cfg.service.metrics_host,
+            metrics_port=cfg.service.metrics_port,
+            metrics_token=cfg.service.metrics_token,
         )
         worker_ids = [f"w{i}" for i in range(cfg.workers.count)]
         keys = MeshKeys.generate(worker_ids)

@@ -83,7 +83,7 @@ def summarize(
         "service_address": service.get("service", {}).get("address"),
         "auth": auth,
         "dashboard_url": None,
-        "metrics_url": None,
+        "metrics_url": service.get("service", {}).get("metrics_url"),
         "hit_rate": _served_rate(served),
         "index_hit_rate": _rate(cluster.get("hit_tokens", 0), cluster.get("queried_tokens", 0)),
         "prompt_tokens": served,

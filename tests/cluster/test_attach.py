@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,14 @@ def test_stats_of_the_owner(owner):
     assert isinstance(stats["epoch"], int) and not isinstance(stats["epoch"], bool)
     assert stats["epoch"] == ray.get(get_service().endpoint.remote())["epoch"]
     assert stats["auth"] is True
-    assert stats["dashboard_url"] is None and stats["metrics_url"] is None
+    assert stats["dashboard_url"] is None
+    # One scrape target for the mesh, on loopback: the service's /metrics.
+    assert stats["metrics_url"].startswith("http://127.0.0.1:")
+    assert stats["metrics_url"].endswith("/metrics")
+    with urllib.request.urlopen(stats["metrics_url"], timeout=5) as reply:
+        text = reply.read().decode()
+    live = [line for line in text.splitlines() if line.startswith("kvmesh_workers_live ")]
+    assert live == ["kvmesh_workers_live 2.0"]
 
     # Pages: 64 per worker, none in use between requests.
     assert stats["pages"]["total"] == 2 * 64

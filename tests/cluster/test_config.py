@@ -53,3 +53,12 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="missing.yaml"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_metrics_port_beyond_loopback_needs_a_token():
+    with pytest.raises(ConfigError, match="service.metrics_token"):
+        config_from_dict({"service": {"metrics_host": "node"}})
+    with pytest.raises(ConfigError, match="every interface"):
+        config_from_dict({"service": {"metrics_host": "0.0.0.0", "metrics_token": "t"}})
+    served = config_from_dict({"service": {"metrics_host": "node", "metrics_token": "t"}})
+    assert served.service.metrics_host == "node"

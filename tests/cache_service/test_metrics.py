@@ -1,0 +1,143 @@
+"""The service's Prometheus metrics: histograms, the snapshot collector, /metrics over HTTP."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_service.metrics import (
+    Histogram,
+    HistogramCounts,
+    MetricsSnapshot,
+    SnapshotCollector,
+)
+from cache_service.web import WebServer
+from tests.security.service_rig import NS, P, ServiceRig, serve
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(url: str, token: str | None = None) -> str:
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        return reply.read().decode()
+
+
+def test_a_value_on_a_bound_falls_in_that_bucket():
+    histogram = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 1.0, 3.0):
+        histogram.observe(value)
+    counts = histogram.counts()
+    assert counts == HistogramCounts((0.1, 1.0), (2, 2, 1), pytest.approx(4.65))
+    assert counts.cumulative() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
+
+
+def test_unsorted_bounds_are_refused():
+    with pytest.raises(AssertionError):
+        Histogram((1.0, 0.1))
+
+
+def snapshot(**changes) -> MetricsSnapshot:
+    base = MetricsSnapshot(
+        epoch=17,
+        workers_live=2,
+        resyncs=3,
+        worker_queries={"w0": {"queried_tokens": 40, "hit_tokens": 32}},
+        tenant_queries={"acme": {"queried_tokens": 40, "hit_tokens": 32}},
+        pages_indexed=8,
+        lookup=HistogramCounts((0.001,), (4, 1), 0.0125),
+    )
+    return base._replace(**changes)
+
+
+def test_the_collector_reports_the_latest_snapshot_only():
+    collector = SnapshotCollector()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    assert not [n for n, _ in samples(generate_latest(registry).decode()) if "kvmesh" in n]
+    collector.publish(snapshot())
+    collector.publish(snapshot(workers_live=5))
+    got = samples(generate_latest(registry).decode())
+    assert got[("kvmesh_workers_live", ())] == 5
+    assert got[("kvmesh_service_epoch", ())] == 17
+    assert got[("kvmesh_resyncs_total", ())] == 3
+    assert got[("kvmesh_index_pages", ())] == 8
+    assert got[("kvmesh_index_worker_queried_tokens_total", (("worker", "w0"),))] == 40
+    assert got[("kvmesh_index_tenant_hit_tokens_total", (("tenant", "acme"),))] == 32
+    assert got[("kvmesh_lookup_seconds_bucket", (("le", "0.001"),))] == 4
+    assert got[("kvmesh_lookup_seconds_bucket", (("le", "+Inf"),))] == 5
+    assert got[("kvmesh_lookup_seconds_count", ())] == 5
+    assert got[("kvmesh_lookup_seconds_sum", ())] == pytest.approx(0.0125)
+
+
+def test_beyond_loopback_a_token_is_required():
+    registry = CollectorRegistry()
+    with pytest.raises(ValueError, match="access token"):
+        WebServer(registry, "192.0.2.1")
+    with pytest.raises(ValueError, match="every interface"):
+        WebServer(registry, "0.0.0.0", token="t")
+
+
+def test_a_token_is_checked_when_set():
+    collector = SnapshotCollector()
+    collector.publish(snapshot())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    web = WebServer(registry, "127.0.0.1", token="s3cret")
+    url = web.start() + "/metrics"
+    try:
+        for wrong in (None, "guess"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                scrape(url, wrong)
+            assert refused.value.code == 401
+        assert samples(scrape(url, "s3cret"))[("kvmesh_workers_live", ())] == 2
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            scrape(web.url + "/nothing", "s3cret")
+        assert missing.value.code == 404
+    finally:
+        web.stop()
+
+
+def test_the_service_serves_what_its_index_holds():
+    rig = ServiceRig(auth=True, metrics_interval_s=0.05)
+    try:
+        url = rig.server.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        cache, publisher = rig.worker("w0")
+        prompt = list(range(1, 1 + 5 * P))  # five full pages
+        serve(cache, prompt)
+        assert publisher.sync()
+        rig.client("front_door").name_tenant(NS.salt, "acme")
+        worker = rig.client("w1")
+        rig.worker("w1")
+        matched, _ = worker.match(NS, prompt + [99], requester="w1")
+        assert matched == 5 * P
+        rig.server.publish_metrics()
+        got = samples(scrape(url))
+        assert got[("kvmesh_workers_live", ())] == 2
+        assert got[("kvmesh_service_epoch", ())] == rig.server.epoch
+        assert got[("kvmesh_index_pages", ())] == 5
+        assert got[("kvmesh_index_tenant_queried_tokens_total", (("tenant", "acme"),))] == 21
+        assert got[("kvmesh_index_tenant_hit_tokens_total", (("tenant", "acme"),))] == 20
+        assert got[("kvmesh_index_worker_hit_tokens_total", (("worker", "w1"),))] == 20
+        assert got[("kvmesh_lookup_seconds_count", ())] == 1
+        assert got[("kvmesh_lookup_seconds_sum", ())] > 0
+        assert rig.server.stats()["service"]["metrics_url"] == url
+    finally:
+        rig.close()
+    with pytest.raises(urllib.error.URLError):
+        scrape(url)  # the port closes with the service
