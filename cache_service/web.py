@@ -40,8 +40,7 @@ class WebServer:
             )
         self.registry = registry
         self.token = token
-        self._httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedHTTPServer((host, port), _handler(self))
         self._thread: threading.Thread | None = None
 
     @property
@@ -71,8 +70,38 @@ class WebServer:
         return hmac.compare_digest((authorization or "").encode(), expected)
 
 
+# Requests served at once; more are closed unanswered. A client that sends nothing is
+# dropped after REQUEST_TIMEOUT_S, so no one holds a slot for long.
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 5.0
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per request, at most MAX_CONNECTIONS of them."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
             if not server.admits(self.headers.get("Authorization")):
                 self._reply(401, b"an access token is required\n", "text/plain")

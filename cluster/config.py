@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from cache_service.addresses import check_bind_host
+from cache_service.server import ServerConfig
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
 from workers.transfer import ENCRYPT_PAGES_DEFAULT
@@ -169,6 +170,24 @@ class KvmeshConfig:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def server_config(self) -> ServerConfig:
+        """The service's server settings these sections describe (hosts unresolved:
+        "loopback" / "node" are resolved where the service runs)."""
+        service = self.service
+        return ServerConfig(
+            host=service.host,
+            port=service.port,
+            liveness_timeout_s=service.liveness_timeout_s,
+            page_tokens=self.cache.page_tokens,
+            load_weight=service.load_weight,
+            max_workers=service.max_workers,
+            max_tenants=service.max_tenants,
+            max_spans=service.max_spans,
+            metrics_host=service.metrics_host,
+            metrics_port=service.metrics_port,
+            metrics_token=service.metrics_token,
+        )
 
     def store_layout(self) -> StoreLayout:
         """The page store layout these sections describe."""

@@ -43,7 +43,6 @@ from cache_service.actor import (
 )
 from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.events import Namespace
-from cache_service.server import ServerConfig
 from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.errors import MeshError
@@ -161,19 +160,7 @@ class Mesh:
     def _start(cls, cfg: KvmeshConfig, started_ray: bool, detached: bool, log) -> Mesh:
         """Reserve the workers' resources, start the service and the workers; on any
         failure stop what was started."""
-        service_cfg = ServerConfig(
-            host=cfg.service.host,
-            port=cfg.service.port,
-            liveness_timeout_s=cfg.service.liveness_timeout_s,
-            page_tokens=cfg.cache.page_tokens,
-            load_weight=cfg.service.load_weight,
-            max_workers=cfg.service.max_workers,
-            max_tenants=cfg.service.max_tenants,
-            max_spans=cfg.service.max_spans,
-            metrics_host=cfg.service.metrics_host,
-            metrics_port=cfg.service.metrics_port,
-            metrics_token=cfg.service.metrics_token,
-        )
+        service_cfg = cfg.server_config()
         worker_ids = [f"w{i}" for i in range(cfg.workers.count)]
         keys = MeshKeys.generate(worker_ids)
         auth = cfg.security.auth

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -15,7 +18,7 @@ from cache_service.metrics import (
     MetricsSnapshot,
     SnapshotCollector,
 )
-from cache_service.web import WebServer
+from cache_service.web import MAX_CONNECTIONS, WebServer
 from tests.security.service_rig import NS, P, ServiceRig, serve
 
 
@@ -141,3 +144,35 @@ def test_the_service_serves_what_its_index_holds():
         rig.close()
     with pytest.raises(urllib.error.URLError):
         scrape(url)  # the port closes with the service
+
+
+def test_idle_connections_cannot_take_every_slot_for_long():
+    collector = SnapshotCollector()
+    collector.publish(snapshot())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    web = WebServer(registry, "127.0.0.1")
+    url = web.start() + "/metrics"
+    host, port = web.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 5
+        while True:  # every slot taken: the next client is closed unanswered
+            try:
+                scrape(url)
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+                break
+            assert time.monotonic() < deadline, "an extra client was served"
+            time.sleep(0.05)
+    finally:
+        for connection in idle:
+            connection.close()
+    deadline = time.monotonic() + 5
+    while True:  # the slots come back as soon as the idle clients go
+        try:
+            assert samples(scrape(url))[("kvmesh_workers_live", ())] == 2
+            break
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+            assert time.monotonic() < deadline, "slots were not released"
+            time.sleep(0.05)
+    web.stop()
