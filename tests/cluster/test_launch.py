@@ -31,6 +31,7 @@ first = mesh.generate(prompt, max_new_tokens=4, worker="w0")
 second = mesh.generate(prompt, max_new_tokens=4, worker="w1")
 print(json.dumps({"owned": mesh.owned, "first": first.stats, "second": second.stats,
                   "same": first.token_ids == second.token_ids}))
+mesh.check_integrity()  # the workers' caches and stores, and the service's index
 mesh.shutdown()
 """
 
