@@ -61,6 +61,7 @@ class ServiceActor:
             "epoch": self.server.epoch,
             "server_key": self.keys.service.public if self.auth else None,
             "metrics_url": self.server.metrics_url,
+            "dashboard_url": self.server.dashboard_url,
         }
 
     def credentials(self) -> dict[str, Any]:

@@ -29,12 +29,79 @@ class Register(NamedTuple):
     address: str  # its page server, for peers on other nodes; "" if none
 
 
+# Bucket bounds (seconds) of the histograms a worker reports; its counts follow them.
+# TTFT: a few tens of ms for a short cached prompt on a GPU, seconds for a long cold
+# prefill on a CPU. A copy: microseconds for a page over shared memory, up to a second
+# for a long prefix across nodes.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0)
+
+
+class Observed(NamedTuple):
+    """A histogram's state: per-bucket counts (not cumulative; one more than the bounds,
+    the last for +Inf) and the sum of every observed value."""
+
+    counts: tuple[int, ...]
+    total: float
+
+
+class TenantTokens(NamedTuple):
+    """A worker's prompt tokens for one tenant salt, by where their KV came from."""
+
+    salt: str
+    requests: int
+    local_hit: int  # from the worker's own pages
+    remote_hit: int  # copied from a peer (same node or not) and validated
+    computed: int
+
+
+class WorkerReport(NamedTuple):
+    """A worker's own figures since it started, sent with every heartbeat.
+
+    Counters are cumulative, so a lost heartbeat loses nothing, and a restarted worker
+    starts again from zero (a counter reset, as Prometheus expects). A hit is counted
+    once, when the request is admitted; tokens recomputed after a refused copy count as
+    computed, never as hits.
+    """
+
+    pages_free: int
+    pages_cached: int  # published, unreferenced: evictable
+    pages_in_use: int  # referenced by running requests
+    evictions: Mapping[str, int]  # reason -> pages
+    copy_bytes_same_node: int
+    copy_bytes_remote: int
+    tenants: Sequence[TenantTokens]
+    copy_seconds: Observed  # COPY_BUCKETS, one observation per request that copied
+    ttft_hit: Observed  # TTFT_BUCKETS, requests that reused cached tokens
+    ttft_miss: Observed  # TTFT_BUCKETS, requests that computed their whole prompt
+
+
+def no_observations(bounds: Sequence[float]) -> Observed:
+    return Observed((0,) * (len(bounds) + 1), 0.0)
+
+
+# What a worker reports before its first request.
+EMPTY_REPORT = WorkerReport(
+    pages_free=0,
+    pages_cached=0,
+    pages_in_use=0,
+    evictions={},
+    copy_bytes_same_node=0,
+    copy_bytes_remote=0,
+    tenants=(),
+    copy_seconds=no_observations(COPY_BUCKETS),
+    ttft_hit=no_observations(TTFT_BUCKETS),
+    ttft_miss=no_observations(TTFT_BUCKETS),
+)
+
+
 class Heartbeat(NamedTuple):
-    """A worker is alive, with its current load."""
+    """A worker is alive, with its current load and its figures."""
 
     worker_id: str
     epoch: int  # as the service issued it at Register
     load: float
+    report: WorkerReport
 
 
 class PublishEvents(NamedTuple):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client.core import (
@@ -30,8 +31,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from cache_service import dashboard_data
+from cache_service.messages import COPY_BUCKETS, TTFT_BUCKETS, Observed
+from cache_service.reports import SOURCES, TenantFigures, WorkerReports
+
 # Seconds a match takes inside the service (decode to reply): tens of microseconds
 # for a short prompt, a few milliseconds for a long one on a loaded index.
+# Dashboard history: a point a second (the default metrics interval) for ten minutes.
+HISTORY_POINTS = 600
+
 LOOKUP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
@@ -41,6 +49,10 @@ class HistogramCounts(NamedTuple):
     bounds: tuple[float, ...]
     counts: tuple[int, ...]
     total: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
     def cumulative(self) -> list[tuple[str, int]]:
         """Prometheus' form: (upper bound, observations <= it), ending with +Inf."""
@@ -68,10 +80,24 @@ class Histogram:
     def counts(self) -> HistogramCounts:
         return HistogramCounts(self.bounds, tuple(self._counts), self._total)
 
+    def observed(self) -> Observed:
+        """The state as a worker report carries it (the bounds are the protocol's)."""
+        return Observed(tuple(self._counts), self._total)
+
+
+class WorkerFiguresRow(NamedTuple):
+    """One worker's own figures in a snapshot (from its latest heartbeat report)."""
+
+    live: bool
+    pages: Mapping[str, int]  # state ("free", "cached", "in_use") -> pages
+    evictions: Mapping[str, int]  # reason -> pages
+    copy_bytes: Mapping[str, int]  # kind ("same_node", "remote") -> bytes
+
 
 class MetricsSnapshot(NamedTuple):
     """What one scrape reports, taken on the loop thread."""
 
+    time: float  # unix seconds when it was taken
     epoch: int
     workers_live: int
     resyncs: int  # resyncs the service applied
@@ -80,11 +106,44 @@ class MetricsSnapshot(NamedTuple):
     tenant_queries: Mapping[str, Mapping[str, int]]
     pages_indexed: int
     lookup: HistogramCounts
+    # What the workers report: prompt tokens by (worker, tenant name), their pages,
+    # evictions and copies, and the histograms summed over workers.
+    served: Mapping[tuple[str, str], TenantFigures]
+    workers: Mapping[str, WorkerFiguresRow]
+    copy_seconds: HistogramCounts
+    ttft: Mapping[str, HistogramCounts]  # "hit" / "miss"
 
 
-def snapshot_from(stats: Mapping[str, Any], epoch: int, lookup: Histogram) -> MetricsSnapshot:
-    """A snapshot from the index's `stats()` (on the thread that owns the index)."""
+def snapshot_from(
+    stats: Mapping[str, Any],
+    epoch: int,
+    lookup: Histogram,
+    reports: WorkerReports,
+    tenant_name: Callable[[str], str],
+    now: float,
+) -> MetricsSnapshot:
+    """A snapshot from the index's `stats()` and the workers' reports (on the thread that
+    owns both); `tenant_name` turns a report's salts into the names shown."""
+    rows = reports.items()
+    workers = {
+        worker_id: WorkerFiguresRow(
+            live=live,
+            pages={
+                "free": report.pages_free,
+                "cached": report.pages_cached,
+                "in_use": report.pages_in_use,
+            },
+            evictions=dict(report.evictions),
+            copy_bytes={
+                "same_node": report.copy_bytes_same_node,
+                "remote": report.copy_bytes_remote,
+            },
+        )
+        for worker_id, report, live in rows
+    }
+    reported = [report for _, report, _ in rows]
     return MetricsSnapshot(
+        time=now,
         epoch=epoch,
         workers_live=stats["workers_live"],
         resyncs=stats["events"]["resyncs"],
@@ -92,23 +151,50 @@ def snapshot_from(stats: Mapping[str, Any], epoch: int, lookup: Histogram) -> Me
         tenant_queries={t: dict(c) for t, c in stats["tenants"].items()},
         pages_indexed=stats["pages"],
         lookup=lookup.counts(),
+        served=reports.tenant_figures(tenant_name),
+        workers=workers,
+        copy_seconds=_summed(COPY_BUCKETS, [r.copy_seconds for r in reported]),
+        ttft={
+            "hit": _summed(TTFT_BUCKETS, [r.ttft_hit for r in reported]),
+            "miss": _summed(TTFT_BUCKETS, [r.ttft_miss for r in reported]),
+        },
     )
 
 
+def _summed(bounds: Sequence[float], observed: Sequence[Observed]) -> HistogramCounts:
+    counts = [0] * (len(bounds) + 1)
+    total = 0.0
+    for item in observed:
+        for i, count in enumerate(item.counts):
+            counts[i] += count
+        total += item.total
+    return HistogramCounts(tuple(bounds), tuple(counts), total)
+
+
 class SnapshotCollector(Collector):
-    """Yields the latest published snapshot as Prometheus metric families."""
+    """Yields the latest published snapshot as Prometheus metric families, and keeps the
+    recent history the dashboard draws (one point per snapshot, at most HISTORY_POINTS)."""
 
     def __init__(self) -> None:
         self._snapshot: MetricsSnapshot | None = None
-        self._lock = threading.Lock()  # publish / read of one reference, kept obvious
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
+        self._lock = threading.Lock()  # publish / read of the references, kept obvious
 
     def publish(self, snapshot: MetricsSnapshot) -> None:
+        point = dashboard_data.history_point(snapshot)
         with self._lock:
             self._snapshot = snapshot
+            self._history.append(point)
 
     def latest(self) -> MetricsSnapshot | None:
         with self._lock:
             return self._snapshot
+
+    def dashboard(self) -> dict[str, Any]:
+        """What the dashboard page fetches (see cache_service.dashboard_data)."""
+        with self._lock:
+            snapshot, history = self._snapshot, list(self._history)
+        return dashboard_data.dashboard_json(snapshot, history)
 
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
@@ -122,15 +208,88 @@ class SnapshotCollector(Collector):
         yield resyncs
         yield from _query_families("worker", snap.worker_queries)
         yield from _query_families("tenant", snap.tenant_queries)
-        lookup = HistogramMetricFamily(
-            "kvmesh_lookup_seconds", "Time the service takes to answer a match.", unit=""
+        yield from _served_families(snap.served)
+        yield from _worker_families(snap.workers)
+        yield _histogram(
+            "kvmesh_lookup_seconds", "Time the service takes to answer a match.", snap.lookup
         )
-        lookup.add_metric([], snap.lookup.cumulative(), snap.lookup.total)
-        yield lookup
+        yield _histogram(
+            "kvmesh_copy_seconds",
+            "Time a request spends copying pages in from peers (requests that copied).",
+            snap.copy_seconds,
+        )
+        ttft = HistogramMetricFamily(
+            "kvmesh_ttft_seconds",
+            "Time to first token; cache=hit when the request reused cached tokens.",
+            labels=["cache"],
+        )
+        for cache, counts in sorted(snap.ttft.items()):
+            ttft.add_metric([cache], counts.cumulative(), counts.total)
+        yield ttft
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+def _histogram(name: str, doc: str, counts: HistogramCounts) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc)
+    family.add_metric([], counts.cumulative(), counts.total)
+    return family
+
+
+def _served_families(served: Mapping[tuple[str, str], TenantFigures]) -> Iterator[Metric]:
+    """Prompt tokens by source, requests, and vLLM's prefix-cache queries / hits (tokens),
+    by worker and tenant, as the workers reported them."""
+    labels = ["worker", "tenant"]
+    tokens = CounterMetricFamily(
+        "kvmesh_prompt_tokens",
+        "Prompt tokens by where their KV came from: local_hit (the worker's own pages), "
+        "remote_hit (copied from a peer and validated), computed.",
+        labels=["source", *labels],
+    )
+    requests = CounterMetricFamily("kvmesh_requests", "Requests admitted.", labels=labels)
+    queries = CounterMetricFamily(
+        "kvmesh_prefix_cache_queries", "Prompt tokens looked up in the caches.", labels=labels
+    )
+    hits = CounterMetricFamily(
+        "kvmesh_prefix_cache_hits",
+        "Prompt tokens found cached (local or copied; recomputed tokens never count).",
+        labels=labels,
+    )
+    for (worker, tenant), figures in sorted(served.items()):
+        for source in SOURCES:
+            tokens.add_metric([source, worker, tenant], getattr(figures, source))
+        requests.add_metric([worker, tenant], figures.requests)
+        queries.add_metric(
+            [worker, tenant], figures.local_hit + figures.remote_hit + figures.computed
+        )
+        hits.add_metric([worker, tenant], figures.local_hit + figures.remote_hit)
+    yield from (tokens, requests, queries, hits)
+
+
+def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric]:
+    """Pages by state (live workers only), evictions and copied bytes by worker."""
+    pages = GaugeMetricFamily(
+        "kvmesh_pages", "Pages of a worker's store by state.", labels=["state", "worker"]
+    )
+    evictions = CounterMetricFamily(
+        "kvmesh_evictions", "Pages evicted, by reason.", labels=["reason", "worker"]
+    )
+    copied = CounterMetricFamily(
+        "kvmesh_copy_bytes",
+        "Page bytes copied in from peers: same_node (shared memory) or remote (page server).",
+        labels=["kind", "worker"],
+    )
+    for worker, row in sorted(workers.items()):
+        if row.live:
+            for state, count in row.pages.items():
+                pages.add_metric([state, worker], count)
+        for reason, count in sorted(row.evictions.items()):
+            evictions.add_metric([reason, worker], count)
+        for kind, count in row.copy_bytes.items():
+            copied.add_metric([kind, worker], count)
+    yield from (pages, evictions, copied)
 
 
 def _query_families(label: str, tallies: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:

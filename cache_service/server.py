@@ -68,6 +68,7 @@ from cache_service.messages import (
     StatsReply,
 )
 from cache_service.protocol import ProtocolError
+from cache_service.reports import WorkerReports
 from cache_service.web import WebServer
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class ServiceServer:
         # Metrics: the loop times matches and publishes snapshots; the web thread serves.
         self._lookup = metrics.Histogram(metrics.LOOKUP_BUCKETS)
         self._collector = metrics.SnapshotCollector()
+        self.reports = WorkerReports()  # the workers' own figures, from their heartbeats
         self._web: WebServer | None = None
         self._next_metrics = 0.0
         # Calls from other threads, run by the loop; `_running` and the queue change
@@ -202,6 +204,12 @@ class ServiceServer:
     def metrics_url(self) -> str | None:
         """Where Prometheus scrapes, e.g. "http://127.0.0.1:40125/metrics" (None: no port)."""
         return None if self._web is None else f"{self._web.url}/metrics"
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The live dashboard page, on the metrics port (None: no port). Beyond loopback,
+        open it once with `?token=<service.metrics_token>`."""
+        return None if self._web is None else f"{self._web.url}/dashboard"
 
     def start(self) -> str:
         """Bind and start serving in a daemon thread; returns the bound address."""
@@ -243,6 +251,7 @@ class ServiceServer:
                 self.config.metrics_host,
                 self.config.metrics_port,
                 self.config.metrics_token,
+                dashboard=self._collector.dashboard,
             )
             self._web.start()
         self.index.hand_off()  # the loop thread takes it on its first call
@@ -279,8 +288,13 @@ class ServiceServer:
         return self._in_loop(self._stats_snapshot)
 
     def check_integrity(self) -> None:
-        """Check the index's invariants (raises AssertionError), from the loop."""
-        self._in_loop(self.index.check_integrity)
+        """Check the index's and the reports' invariants (raises AssertionError), from the
+        loop."""
+        self._in_loop(self._check_integrity)
+
+    def _check_integrity(self) -> None:
+        self.index.check_integrity()
+        self.reports.check_integrity()
 
     def run_housekeeping(self) -> list[str]:
         """Expire silent workers now, by the server's clock; the expired worker ids."""
@@ -359,6 +373,8 @@ class ServiceServer:
 
     def _housekeeping(self, now: float) -> list[str]:
         expired = self.index.expire(now)
+        for worker_id in expired:
+            self.reports.departed(worker_id)
         if expired:
             log.warning(
                 "workers silent past %.1fs removed: %s",
@@ -375,7 +391,14 @@ class ServiceServer:
         owns the index; from any other thread the call is queued to the loop)."""
         self._in_loop(
             lambda: self._collector.publish(
-                metrics.snapshot_from(self.index.stats(), self.epoch, self._lookup)
+                metrics.snapshot_from(
+                    self.index.stats(),
+                    self.epoch,
+                    self._lookup,
+                    self.reports,
+                    self.index.tenant_name,
+                    now=time.time(),
+                )
             )
         )
 
@@ -453,6 +476,7 @@ class ServiceServer:
                 f"worker {request.worker_id!r} epoch {request.epoch} is not registered "
                 f"with service epoch {self.epoch}; register again",
             )
+        self.reports.update(request.worker_id, request.report)
         return EpochReply(self.epoch)
 
     def _events(self, request: PublishEvents) -> ApplyResult:
@@ -481,21 +505,26 @@ class ServiceServer:
     def _stats_snapshot(self) -> dict[str, Any]:
         """The index's figures and the server's, cut to fit a reply frame if need be."""
         stats = self.index.stats()
+        # What the workers report they served: the mesh's hit rate, as /metrics shows it.
+        stats["served"] = self.reports.stats()
         stats["service"] = {
             "epoch": self.epoch,
             "requests": self.requests,
             "errors": self.errors,
             "address": self._address,
             "metrics_url": self.metrics_url,
+            "dashboard_url": self.dashboard_url,
         }
         return _fitted(stats, self.limits.max_frame_bytes - 1024)
 
     def _bye(self, request: Bye) -> Ack:
         self.index.remove_worker(request.worker_id, "bye", epoch=request.epoch)
+        self.reports.departed(request.worker_id)
         return Ack()
 
     def _report_dead(self, request: ReportDead) -> Ack:
         self.index.remove_worker(request.worker_id, "reported_dead")
+        self.reports.departed(request.worker_id)
         return Ack()
 
     def _name_tenant(self, request: NameTenant) -> Ack:

@@ -286,6 +286,7 @@ class Mesh:
         tenant: str = "default",
         worker: str | None = None,
         return_logits: bool = False,
+        reuse: bool = True,
     ) -> GenerateResult:
         """Generate from a prompt on the worker that holds most of its prefix.
 
@@ -295,6 +296,7 @@ class Mesh:
             tenant: the tenant's name; its pages are never shared with other tenants.
             worker: run on this worker instead of routing (for tests and benchmarks).
             return_logits: also return the last prompt position's logits.
+            reuse: False computes the whole prompt and shares nothing (a baseline).
         Returns:
             GenerateResult(token_ids, text, stats); stats include local_hit_tokens,
             remote_hit_tokens, computed_tokens, ttft_s and worker.
@@ -316,7 +318,7 @@ class Mesh:
             self._inflight[worker] += 1
         try:
             call = self.workers[worker].generate.remote(
-                tokens, max_new_tokens, salt, return_logits=return_logits
+                tokens, max_new_tokens, salt, return_logits=return_logits, reuse=reuse
             )
             out = ray.get(call)
         finally:

@@ -82,7 +82,7 @@ def summarize(
         "epoch": service.get("service", {}).get("epoch"),
         "service_address": service.get("service", {}).get("address"),
         "auth": auth,
-        "dashboard_url": None,
+        "dashboard_url": service.get("service", {}).get("dashboard_url"),
         "metrics_url": service.get("service", {}).get("metrics_url"),
         "hit_rate": _served_rate(served),
         "index_hit_rate": _rate(cluster.get("hit_tokens", 0), cluster.get("queried_tokens", 0)),

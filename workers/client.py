@@ -22,6 +22,7 @@ import zmq
 from cache_service import protocol
 from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.messages import (
+    EMPTY_REPORT,
     ApplyResult,
     Bye,
     GetStats,
@@ -38,6 +39,7 @@ from cache_service.messages import (
     Resync,
     Route,
     RouteDecision,
+    WorkerReport,
 )
 from cache_service.protocol import Message, ProtocolError
 from cache_service.tokens import TokenInput
@@ -121,14 +123,16 @@ class ServiceClient:
         """
         return self.call(Register(worker_id, node_id, tier, address))
 
-    def heartbeat(self, worker_id: str, epoch: int, load: float = 0.0) -> int:
-        """Mark this worker alive; returns the service's epoch.
+    def heartbeat(
+        self, worker_id: str, epoch: int, load: float = 0.0, report: WorkerReport = EMPTY_REPORT
+    ) -> int:
+        """Mark this worker alive, with its load and figures; returns the service's epoch.
 
         Raises:
             ServiceError: code "unknown_worker" when the service does not know this
                 incarnation (it restarted or expired us): register and resync.
         """
-        return self.call(Heartbeat(worker_id, epoch, float(load))).service_epoch
+        return self.call(Heartbeat(worker_id, epoch, float(load), report)).service_epoch
 
     def publish_events(
         self, worker_id: str, epoch: int, seq: int, events: Sequence[KvEvent]

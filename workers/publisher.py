@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from cache_service.messages import EMPTY_REPORT, WorkerReport
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable
 from workers.prefix_cache import PrefixCache
 
@@ -37,6 +38,8 @@ class EventPublisher:
         cache: the worker's local prefix cache.
         worker_id, node_id, tier, address: how the worker registers; `address` is its
             page server, where peers on other nodes read pages.
+        load: the worker's current load, sent with each heartbeat.
+        report: the worker's figures, sent with each heartbeat (for the service's metrics).
     """
 
     def __init__(
@@ -47,6 +50,8 @@ class EventPublisher:
         node_id: str,
         tier: str = "cpu",
         address: str = "",
+        load: Callable[[], float] = lambda: 0.0,
+        report: Callable[[], WorkerReport] = lambda: EMPTY_REPORT,
     ):
         self.client = client
         self.cache = cache
@@ -54,6 +59,8 @@ class EventPublisher:
         self.node_id = node_id
         self.tier = tier
         self.address = address
+        self._load = load
+        self._report = report
         self.epoch = 0  # issued by the service at registration; 0: not registered
         self.seq = 0
         self.service_epoch: int | None = None
@@ -83,11 +90,13 @@ class EventPublisher:
                 self._needs_sync = True
                 return False
 
-    def heartbeat(self, load: float = 0.0) -> bool:
-        """Tell the service this worker is alive; resync if the service restarted."""
+    def heartbeat(self) -> bool:
+        """Tell the service this worker is alive, with its load and figures; resync if the
+        service restarted."""
+        load, report = self._load(), self._report()
         with self._lock:
             try:
-                epoch = self.client.heartbeat(self.worker_id, self.epoch, load)
+                epoch = self.client.heartbeat(self.worker_id, self.epoch, load, report)
             except ServiceUnavailable:
                 self._needs_sync = True
                 return False

@@ -17,6 +17,7 @@ The class is plain Python (tested without Ray); `cluster` runs it as a Ray actor
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
@@ -31,6 +32,7 @@ from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
 from workers.digests import page_digests
+from workers.figures import WorkerFigures
 from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, tiny_llama
 from workers.page_store import PageStoreError, SharedPageStore
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -128,12 +130,17 @@ class Worker:
         )
         keys = settings.keypair
         self.client = ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys)
+        self.active = 0
+        # Prompt tokens by source and tenant, copies, TTFT: sent with every heartbeat.
+        self.figures = WorkerFigures()
         self.publisher = EventPublisher(
             ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys),
             self.cache,
             settings.worker_id,
             settings.node_id,
             address=self.page_server.address,
+            load=self.load,
+            report=lambda: self.figures.report(self.cache.stats()),
         )
         self.publisher.sync()
         self.publisher.start(settings.publish_interval_s, tick=self.page_server.ensure_running)
@@ -141,13 +148,9 @@ class Worker:
         self._attached: dict[str, SharedPageStore] = {}
         self._page_clients: dict[str, PageClient] = {}
         self._lock = threading.Lock()
+        self._private = itertools.count(1)
         self.requests = 0
-        self.active = 0
         self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
-        # Prompt tokens by where their KV came from, over every finished request.
-        self.prompt_tokens = {"local_hit": 0, "remote_hit": 0, "computed": 0}
-        # Page bytes copied in from peers, by path (refused pages included: they moved).
-        self.copy_bytes = {"same_node": 0, "remote": 0}
         self.cost = self._measure_costs()
 
     # ------------------------------------------------------------------ public
@@ -172,6 +175,7 @@ class Worker:
         salt: str = "",
         adapter: str = "",
         return_logits: bool = False,
+        reuse: bool = True,
     ) -> dict[str, Any]:
         """Generate greedily from `prompt`, reusing every cached prefix it can.
 
@@ -182,6 +186,8 @@ class Worker:
             adapter: the adapter version the KV was computed with.
             return_logits: also return the last prompt position's logits (as "logits",
                 a list of floats), for correctness checks.
+            reuse: False computes the whole prompt, reusing and publishing nothing (what
+                serving would cost without kvmesh, for comparisons).
         Returns:
             {"token_ids", "text", "stats": {local_hit_tokens, remote_hit_tokens,
             computed_tokens, prompt_tokens, ttft_s, total_s, worker}}.
@@ -196,6 +202,10 @@ class Worker:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         namespace = Namespace(self.model_name, adapter, salt)
+        if not reuse:
+            # A namespace of its own matches nothing, and its pages, never published,
+            # leave with the request.
+            namespace = namespace._replace(adapter=f"{adapter}(no reuse {next(self._private)})")
         with self._lock:
             self.active += 1
         try:
@@ -208,19 +218,23 @@ class Worker:
             try:
                 local = allocation.cached_tokens
                 copy_start = time.perf_counter()
-                computed_from = self._copy_in(allocation, tokens, namespace)
+                computed_from = self._copy_in(allocation, tokens, namespace) if reuse else local
                 copy_s = time.perf_counter() - copy_start
+                # Admitted: hits are known now (copies validated); the rest is computed.
+                self.figures.admitted(
+                    salt, local, computed_from - local, len(tokens) - computed_from
+                )
+                if computed_from > local:
+                    self.figures.copy_took(copy_s)
                 result = self.runner.generate(
                     allocation, max_new_tokens, computed_from=computed_from
                 )
                 ttft = time.perf_counter() - start - result.decode_s
-                allocation.publish(allocation.num_tokens)
+                self.figures.first_token(ttft, reused=computed_from > 0)
+                if reuse:
+                    allocation.publish(allocation.num_tokens)
             finally:
                 allocation.release()
-            with self._lock:
-                self.prompt_tokens["local_hit"] += local
-                self.prompt_tokens["remote_hit"] += computed_from - local
-                self.prompt_tokens["computed"] += len(tokens) - computed_from
             self.publisher.sync()
         finally:
             with self._lock:
@@ -255,8 +269,8 @@ class Worker:
             "node": self.settings.node_id,
             "address": self.page_server.address,  # where peers on other nodes fetch pages
             "requests": self.requests,
-            "prompt_tokens": dict(self.prompt_tokens),
-            "copy_bytes": dict(self.copy_bytes),
+            "prompt_tokens": self.figures.prompt_tokens(),
+            "copy_bytes": self.figures.copy_bytes_now(),
             "cache": self.cache.stats(),
             "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
             "pages_served": self.page_server.pages_sent,
@@ -311,10 +325,7 @@ class Worker:
                 break
             digests = expected[page_range[0] : page_range[1]]
             valid = self._fetch(peer, pages, gens, digests, targets, remote)
-            with self._lock:
-                self.copy_bytes["remote" if remote else "same_node"] += (
-                    len(pages) * self.store.layout.page_bytes
-                )
+            self.figures.copied(len(pages) * self.store.layout.page_bytes, remote)
             self.copies_refused += valid.count(False)
             good = next((i for i, ok in enumerate(valid) if not ok), len(valid))
             copied_to = page_range[0] + good

@@ -222,6 +222,11 @@ class GlobalIndex:
         self._own()
         self._tallies.name(salt, name)
 
+    def tenant_name(self, salt: str) -> str:
+        """The name statistics show for `salt` (UNNAMED if the front door gave none)."""
+        self._own()
+        return self._tallies.shown_name(salt)
+
     def live_workers(self) -> list[str]:
         """The registered (live) worker ids, sorted."""
         self._own()

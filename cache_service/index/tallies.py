@@ -97,6 +97,10 @@ class Tallies:
         if salt in self._names or len(self._names) < self.max_tenants:
             self._names[salt] = name
 
+    def shown_name(self, salt: str) -> str:
+        """How the statistics show `salt`: its name, or UNNAMED."""
+        return self._names.get(salt, UNNAMED)
+
     def fold_requester(self, worker_id: str) -> None:
         """A worker left: its figures join REMOVED's."""
         tally = self._by_requester.pop(worker_id, None)

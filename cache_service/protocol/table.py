@@ -15,11 +15,13 @@ from cache_service import messages as m
 from cache_service.protocol import fields as f
 from cache_service.protocol.errors import SCHEMA_DEPTH, SCHEMA_MAP_KEYS
 from cache_service.protocol.event_wire import check_chains, check_events, events_wire
+from cache_service.protocol.report_wire import check_report, report_wire
 from cache_service.protocol.spans import check_spans, spans_wire
 
 # 2: the events reply carries last_seq. 3: the service issues epochs (Registered); page ids
-# and generations of events travel packed; ReportDead, NameTenant.
-PROTOCOL_VERSION = 3
+# and generations of events travel packed; ReportDead, NameTenant. 4: heartbeats carry the
+# worker's report (its figures, for the service's metrics).
+PROTOCOL_VERSION = 4
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -104,6 +106,7 @@ EVENT_LIST = Field("events", check_events, events_wire, 3)  # events / event / n
 CHAIN_LIST = Field("chains", check_chains, events_wire, 3)
 SPANS = Field("spans", check_spans, spans_wire, 2)  # spans / span
 STATS_MAP = Field("stats", f.check_stats, None, None)
+REPORT = Field("report", check_report, report_wire, 3)  # report / tenants / a tenant
 
 
 def _ack(kind: str) -> Body:
@@ -116,7 +119,7 @@ MESSAGES: dict[str, MessageSchema] = {
         body(m.Registered, f"{REGISTER}.reply", service_epoch=COUNT, epoch=COUNT),
     ),
     HEARTBEAT: MessageSchema(
-        body(m.Heartbeat, HEARTBEAT, worker_id=ID, epoch=COUNT, load=LOAD),
+        body(m.Heartbeat, HEARTBEAT, worker_id=ID, epoch=COUNT, load=LOAD, report=REPORT),
         body(m.EpochReply, f"{HEARTBEAT}.reply", service_epoch=COUNT),
     ),
     EVENTS: MessageSchema(

@@ -12,6 +12,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cache_service.messages import (
+    COPY_BUCKETS,
+    EMPTY_REPORT,
+    TTFT_BUCKETS,
+    Observed,
+    TenantTokens,
+)
 from cache_service.metrics import (
     Histogram,
     HistogramCounts,
@@ -54,8 +61,13 @@ def test_unsorted_bounds_are_refused():
         Histogram((1.0, 0.1))
 
 
+def no_counts(bounds) -> HistogramCounts:
+    return HistogramCounts(tuple(bounds), (0,) * (len(bounds) + 1), 0.0)
+
+
 def snapshot(**changes) -> MetricsSnapshot:
     base = MetricsSnapshot(
+        time=1000.0,
         epoch=17,
         workers_live=2,
         resyncs=3,
@@ -63,6 +75,10 @@ def snapshot(**changes) -> MetricsSnapshot:
         tenant_queries={"acme": {"queried_tokens": 40, "hit_tokens": 32}},
         pages_indexed=8,
         lookup=HistogramCounts((0.001,), (4, 1), 0.0125),
+        served={},
+        workers={},
+        copy_seconds=no_counts(COPY_BUCKETS),
+        ttft={"hit": no_counts(TTFT_BUCKETS), "miss": no_counts(TTFT_BUCKETS)},
     )
     return base._replace(**changes)
 
@@ -176,3 +192,81 @@ def test_idle_connections_cannot_take_every_slot_for_long():
             assert time.monotonic() < deadline, "slots were not released"
             time.sleep(0.05)
     web.stop()
+
+
+def ttft(*counts: int, total: float) -> Observed:
+    return Observed(tuple(counts) + (0,) * (len(TTFT_BUCKETS) + 1 - len(counts)), total)
+
+
+def test_workers_reports_become_the_mesh_metrics():
+    """Heartbeat reports -> vLLM-named families by worker and tenant name (never salt); a
+    worker that leaves keeps its counters but no longer shows pages."""
+    rig = ServiceRig(auth=True)
+    try:
+        _, w0 = rig.worker("w0")
+        _, w1 = rig.worker("w1")
+        rig.client("front_door").name_tenant("salt-acme", "acme")
+        w0._report = lambda: EMPTY_REPORT._replace(
+            pages_free=50,
+            pages_cached=10,
+            pages_in_use=4,
+            evictions={"evicted": 6},
+            copy_bytes_same_node=4096,
+            tenants=(TenantTokens("salt-acme", 3, 32, 16, 48), TenantTokens("salt-x", 1, 0, 0, 8)),
+            ttft_hit=ttft(0, 2, total=0.03),
+            ttft_miss=ttft(0, 0, 0, 0, 1, total=0.2),
+        )
+        w1._report = lambda: EMPTY_REPORT._replace(
+            pages_free=64, tenants=(TenantTokens("salt-acme", 1, 0, 8, 0),)
+        )
+        assert w0.heartbeat() and w1.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+
+        def tokens(source, worker, tenant):
+            labels = (("source", source), ("tenant", tenant), ("worker", worker))
+            return got[("kvmesh_prompt_tokens_total", labels)]
+
+        assert tokens("local_hit", "w0", "acme") == 32
+        assert tokens("remote_hit", "w0", "acme") == 16
+        assert tokens("computed", "w0", "acme") == 48
+        assert tokens("computed", "w0", "(unnamed)") == 8  # salts never show
+        assert tokens("remote_hit", "w1", "acme") == 8
+        assert not [labels for name, labels in got if ("tenant", "salt-acme") in labels]
+        pair = (("tenant", "acme"), ("worker", "w0"))
+        assert got[("kvmesh_prefix_cache_queries_total", pair)] == 96
+        assert got[("kvmesh_prefix_cache_hits_total", pair)] == 48
+        assert got[("kvmesh_requests_total", pair)] == 3
+        assert got[("kvmesh_pages", (("state", "cached"), ("worker", "w0")))] == 10
+        assert got[("kvmesh_pages", (("state", "free"), ("worker", "w1")))] == 64
+        assert got[("kvmesh_evictions_total", (("reason", "evicted"), ("worker", "w0")))] == 6
+        assert got[("kvmesh_copy_bytes_total", (("kind", "same_node"), ("worker", "w0")))] == 4096
+        assert got[("kvmesh_ttft_seconds_count", (("cache", "hit"),))] == 2
+        assert got[("kvmesh_ttft_seconds_bucket", (("cache", "hit"), ("le", "0.025")))] == 2
+        assert got[("kvmesh_ttft_seconds_count", (("cache", "miss"),))] == 1
+        assert got[("kvmesh_ttft_seconds_sum", (("cache", "miss"),))] == pytest.approx(0.2)
+        served = rig.server.stats()["served"]
+        assert served["prompt_tokens"] == {"local_hit": 32, "remote_hit": 24, "computed": 56}
+        assert served["hit_rate"] == pytest.approx(56 / 112)
+
+        w1.stop(bye=True)
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+        assert tokens("remote_hit", "w1", "acme") == 8  # its counters stay
+        assert ("kvmesh_pages", (("state", "free"), ("worker", "w1"))) not in got
+        assert rig.server.stats()["served"]["departed_workers"] == 1
+    finally:
+        rig.close()
+
+
+def test_a_report_that_breaks_the_bounds_is_refused_and_changes_nothing():
+    rig = ServiceRig(auth=True)
+    try:
+        _, w0 = rig.worker("w0")
+        too_many = tuple(TenantTokens(f"s{i}", 1, 0, 0, 1) for i in range(1025))
+        w0._report = lambda: EMPTY_REPORT._replace(tenants=too_many)
+        with pytest.raises(Exception, match="1025 tenants exceeds the limit 1024"):
+            w0.heartbeat()
+        assert rig.server.stats()["served"]["reporting_workers"] == 0
+    finally:
+        rig.close()

@@ -58,6 +58,7 @@ from cache_service.messages import (
     Route,
     RouteDecision,
     StatsReply,
+    TenantTokens,
 )
 from cache_service.protocol import (
     BAD_FIELD,
@@ -88,6 +89,7 @@ from cache_service.protocol import (
     request,
     stored_pages,
 )
+from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TENANTS
 from cache_service.protocol.spans import check_spans
 from cache_service.tokens import pack_tokens, split_pages, unpack_tokens
 
@@ -115,9 +117,18 @@ def make_stored(pages: int = 2, page_tokens: int = 4, parent: int | None = None)
     )
 
 
+SAMPLE_REPORT = message_types.EMPTY_REPORT._replace(
+    pages_free=90,
+    pages_cached=30,
+    pages_in_use=8,
+    evictions={"evicted": 12},
+    copy_bytes_remote=1 << 20,
+    tenants=(TenantTokens("salt-a", 3, 64, 16, 80), TenantTokens("", 1, 0, 0, 40)),
+    ttft_hit=message_types.Observed((0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0.11),
+)
 SAMPLE_REQUESTS = {
     "register": Register("w0", "node-a", "cpu", "tcp://10.0.0.5:7001"),
-    "heartbeat": Heartbeat("w0", 3, 0.25),
+    "heartbeat": Heartbeat("w0", 3, 0.25, SAMPLE_REPORT),
     "events": PublishEvents(
         "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
     ),
@@ -195,7 +206,8 @@ def test_every_request_class_has_one_message_type():
         assert kinds == [KIND_OF[cls]], cls
     replies = {schema.reply.type for schema in MESSAGES.values()} | {protocol.ERROR_BODY.type}
     assert replies == set(typing.get_args(message_types.Reply))
-    # Every message class of the module is a request, a reply or a span: none is left out.
+    # Every message class of the module is a request, a reply or a part of one (a span, a
+    # worker report): none is left out.
     declared = {
         value
         for value in vars(message_types).values()
@@ -203,7 +215,9 @@ def test_every_request_class_has_one_message_type():
         and issubclass(value, tuple)
         and value.__module__ == message_types.__name__
     }
-    assert declared == set(requests) | replies | {HolderSpan, PackedSpan}
+    parts = {HolderSpan, PackedSpan}
+    parts |= {message_types.WorkerReport, message_types.TenantTokens, message_types.Observed}
+    assert declared == set(requests) | replies | parts
 
 
 def test_table_fields_are_the_classes_fields():
@@ -271,7 +285,7 @@ def test_encode_accepts_plain_forms():
     got = decode(encode(Message(MATCH, 1, body))).body
     assert type(got) is Match and type(got.namespace) is Namespace
     assert got == Match(Namespace("m"), pack_tokens(range(8)), None)
-    heartbeat = decode(encode(Message("heartbeat", 1, Heartbeat("w", 0, 2))))
+    heartbeat = decode(encode(Message("heartbeat", 1, Heartbeat("w", 0, 2, SAMPLE_REPORT))))
     assert type(heartbeat.body.load) is float
 
 
@@ -313,7 +327,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 3  # 3: service-issued epochs, packed event page ids
+    assert PROTOCOL_VERSION == 4  # 4: heartbeats carry the worker's report
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -448,6 +462,31 @@ def holder_spans(draw):
     )
 
 
+@st.composite
+def observed(draw, bounds):
+    counts = draw(
+        st.lists(st.integers(0, 2**40), min_size=len(bounds) + 1, max_size=len(bounds) + 1)
+    )
+    return message_types.Observed(tuple(counts), draw(st.floats(0, 1e9)))
+
+
+@st.composite
+def reports(draw):
+    salts = draw(st.lists(st.text(max_size=12), max_size=4, unique=True))
+    return message_types.WorkerReport(
+        *draw(st.lists(counts, min_size=3, max_size=3)),
+        evictions=draw(st.dictionaries(names, counts, max_size=3)),
+        copy_bytes_same_node=draw(counts),
+        copy_bytes_remote=draw(counts),
+        tenants=tuple(
+            TenantTokens(salt, *draw(st.lists(counts, min_size=4, max_size=4))) for salt in salts
+        ),
+        copy_seconds=draw(observed(message_types.COPY_BUCKETS)),
+        ttft_hit=draw(observed(message_types.TTFT_BUCKETS)),
+        ttft_miss=draw(observed(message_types.TTFT_BUCKETS)),
+    )
+
+
 REQUEST_BODIES = {
     "register": st.builds(
         Register,
@@ -461,6 +500,7 @@ REQUEST_BODIES = {
         worker_id=names,
         epoch=counts,
         load=st.floats(min_value=0, allow_infinity=False),
+        report=reports(),
     ),
     "events": st.builds(
         PublishEvents,
@@ -686,6 +726,40 @@ BAD_SPANS = [
     None,
 ]
 LONG_NAME = "x" * 257
+
+
+def report_with(field: str, value: object) -> list:
+    """SAMPLE_REPORT's wire form with one field replaced."""
+    wire = protocol.table.MESSAGES["heartbeat"].request.fields["report"].wire(SAMPLE_REPORT)
+    wire[message_types.WorkerReport._fields.index(field)] = value
+    return wire
+
+
+BAD_REPORTS = [
+    [],
+    report_with("pages_free", -1)[:-1],  # a field short
+    report_with("pages_free", -1),
+    report_with("pages_cached", True),
+    report_with("copy_bytes_remote", 1.5),
+    report_with("evictions", [["evicted", 1]]),
+    report_with("evictions", {"evicted": -1}),
+    report_with("evictions", {"": 1}),
+    report_with("evictions", {f"r{i}": 1 for i in range(MAX_REPORT_REASONS + 1)}),
+    report_with("tenants", {"salt": [1, 2, 3, 4]}),
+    report_with("tenants", [["salt", 1, 2, 3]]),  # a count short
+    report_with("tenants", [["salt", 1, 2, 3, -4]]),
+    report_with("tenants", [[7, 1, 2, 3, 4]]),
+    report_with("tenants", [["s", 1, 1, 1, 1], ["s", 1, 1, 1, 1]]),  # a salt twice
+    report_with("tenants", [[f"s{i}", 1, 1, 1, 1] for i in range(MAX_REPORT_TENANTS + 1)]),
+    report_with("copy_seconds", [[0] * 3, 0.0]),  # not one count per bucket
+    report_with("ttft_hit", [[0] * 12]),
+    report_with("ttft_hit", [[0] * 11 + [-1], 0.0]),
+    report_with("ttft_miss", [[0] * 12, -1.0]),
+    report_with("ttft_miss", [[0] * 12, NAN]),
+    report_with("ttft_miss", [[0] * 12, "0"]),
+]
+
+
 INVALID = {
     "count": st.one_of(
         st.booleans(),
@@ -784,6 +858,10 @@ INVALID = {
         ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
         st.sampled_from(BAD_SPANS).map(lambda span: [span]),
         st.sampled_from(BAD_SPANS).map(lambda span: [GOOD_SPAN, span]),
+    ),
+    "report": st.one_of(
+        ANY_OTHER.filter(lambda v: not isinstance(v, list)),
+        st.sampled_from(BAD_REPORTS),
     ),
     "stats": st.one_of(
         st.none(),
@@ -1008,7 +1086,8 @@ def test_limits_are_validated():
     "frame, code",
     [
         (raw_frame(MATCH, {}, v=2), BAD_VERSION),  # the version before service epochs
-        (raw_frame(MATCH, {}, v=4), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=3), BAD_VERSION),  # the version before worker reports
+        (raw_frame(MATCH, {}, v=5), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

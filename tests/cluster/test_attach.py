@@ -247,7 +247,8 @@ def test_stats_of_the_owner(owner):
     assert isinstance(stats["epoch"], int) and not isinstance(stats["epoch"], bool)
     assert stats["epoch"] == ray.get(get_service().endpoint.remote())["epoch"]
     assert stats["auth"] is True
-    assert stats["dashboard_url"] is None
+    # The live dashboard page on the same port.
+    assert stats["dashboard_url"] == stats["metrics_url"].removesuffix("/metrics") + "/dashboard"
     # One scrape target for the mesh, on loopback: the service's /metrics.
     assert stats["metrics_url"].startswith("http://127.0.0.1:")
     assert stats["metrics_url"].endswith("/metrics")

@@ -105,6 +105,27 @@ def test_vanished_peer_pages_are_recomputed(trio):
     out = b.generate(prompt, 4, return_logits=True)
     assert out["stats"]["remote_hit_tokens"] == 0  # every copied page failed validation
     _check(out, _expected(b, prompt))
+    # What b reports: the refused copy's tokens were computed, never hits; its bytes moved.
+    report = b.figures.report(b.cache.stats())
+    assert [(t.requests, t.local_hit, t.remote_hit, t.computed) for t in report.tenants] == [
+        (1, 0, 0, len(prompt))
+    ]
+    assert report.copy_bytes_same_node > 0 and report.copy_bytes_remote == 0
+    assert sum(report.ttft_miss.counts) == 1 and sum(report.ttft_hit.counts) == 0
+
+
+def test_without_reuse_the_whole_prompt_is_computed_and_nothing_is_shared(trio):
+    a, _, _ = trio
+    prompt = PREFIX + [1]
+    a.generate(prompt, 4)
+    cached = a.cache.stats()["cached_pages"]
+    out = a.generate(prompt, 4, return_logits=True, reuse=False)
+    assert (out["stats"]["local_hit_tokens"], out["stats"]["remote_hit_tokens"]) == (0, 0)
+    assert out["stats"]["computed_tokens"] == len(prompt)
+    _check(out, _expected(a, prompt))
+    stats = a.cache.stats()
+    assert stats["cached_pages"] == cached and stats["in_use_pages"] == 0  # nothing kept
+    assert a.generate(prompt, 4)["stats"]["local_hit_tokens"] == 37  # the cache is intact
 
 
 def test_request_too_big_is_cache_full(service):

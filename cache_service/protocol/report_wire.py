@@ -1,0 +1,122 @@
+"""A worker's report (its figures, sent with each heartbeat) on the wire.
+
+A WorkerReport travels as a list of its fields in order: page counts and byte counts as
+ints, evictions as a map reason -> pages, tenants as [salt, requests, local_hit,
+remote_hit, computed] rows, each histogram as [counts, total] with exactly one count per
+bucket of its bounds (`messages.COPY_BUCKETS`, `messages.TTFT_BUCKETS`) plus +Inf.
+
+Bounded beyond the frame limits: a report names at most MAX_REPORT_TENANTS salts and
+MAX_REPORT_REASONS eviction reasons, since the service keeps the latest report of each
+worker and its metrics carry those as labels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from cache_service.messages import (
+    COPY_BUCKETS,
+    TTFT_BUCKETS,
+    Observed,
+    TenantTokens,
+    WorkerReport,
+)
+from cache_service.protocol.errors import TOO_LARGE, Limits, ProtocolError
+from cache_service.protocol.fields import bad, check_count, check_id, check_list, check_str
+
+MAX_REPORT_TENANTS = 1024
+MAX_REPORT_REASONS = 16
+
+_SCALARS = (
+    "pages_free",
+    "pages_cached",
+    "pages_in_use",
+    "copy_bytes_same_node",
+    "copy_bytes_remote",
+)
+_HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
+
+
+def check_report(value: Any, path: str, limits: Limits) -> WorkerReport:
+    """A decoded report, every count checked; raises ProtocolError naming the field."""
+    if type(value) is not list or len(value) != len(WorkerReport._fields):
+        raise bad(path, f"a report of {len(WorkerReport._fields)} fields", value)
+    raw = dict(zip(WorkerReport._fields, value, strict=True))
+    out: dict[str, Any] = {}
+    for name in _SCALARS:
+        out[name] = check_count(raw[name], f"{path}.{name}", limits)
+    out["evictions"] = _check_evictions(raw["evictions"], f"{path}.evictions", limits)
+    out["tenants"] = _check_tenants(raw["tenants"], f"{path}.tenants", limits)
+    for name, bounds in _HISTOGRAMS.items():
+        out[name] = _check_observed(raw[name], f"{path}.{name}", limits, bounds)
+    return WorkerReport(**out)
+
+
+def report_wire(value: Any) -> Any:
+    """Wire form of a WorkerReport (anything else is left to the check, which refuses it)."""
+    if not isinstance(value, WorkerReport):
+        return value
+    wire: list[Any] = []
+    for name, item in zip(WorkerReport._fields, value, strict=True):
+        if name == "evictions":
+            wire.append(dict(item))
+        elif name == "tenants":
+            wire.append([list(row) for row in item])
+        elif name in _HISTOGRAMS:
+            wire.append([list(item.counts), float(item.total)])
+        else:
+            wire.append(item)
+    return wire
+
+
+def _check_evictions(value: Any, path: str, limits: Limits) -> dict[str, int]:
+    if type(value) is not dict:
+        raise bad(path, "map of reason -> pages", value)
+    if len(value) > MAX_REPORT_REASONS:
+        raise ProtocolError(
+            TOO_LARGE, f"{path}: {len(value)} reasons exceeds the limit {MAX_REPORT_REASONS}"
+        )
+    return {
+        check_id(reason, f"{path} key", limits): check_count(pages, f"{path}[{reason!r}]", limits)
+        for reason, pages in value.items()
+    }
+
+
+def _check_tenants(value: Any, path: str, limits: Limits) -> tuple[TenantTokens, ...]:
+    rows = check_list(value, path, limits)
+    if len(rows) > MAX_REPORT_TENANTS:
+        raise ProtocolError(
+            TOO_LARGE, f"{path}: {len(rows)} tenants exceeds the limit {MAX_REPORT_TENANTS}"
+        )
+    tenants = []
+    seen = set()
+    for i, row in enumerate(rows):
+        where = f"{path}[{i}]"
+        if type(row) is not list or len(row) != len(TenantTokens._fields):
+            raise bad(where, "[salt, requests, local_hit, remote_hit, computed]", row)
+        salt = check_str(row[0], f"{where}.salt", limits.max_str_len, empty=True)
+        if salt in seen:
+            raise bad(f"{where}.salt", "a salt not reported twice", salt)
+        seen.add(salt)
+        counts = [
+            check_count(n, f"{where}.{name}", limits)
+            for n, name in zip(row[1:], TenantTokens._fields[1:], strict=True)
+        ]
+        tenants.append(TenantTokens(salt, *counts))
+    return tuple(tenants)
+
+
+def _check_observed(value: Any, path: str, limits: Limits, bounds: Sequence[float]) -> Observed:
+    if type(value) is not list or len(value) != 2:
+        raise bad(path, "[counts, total]", value)
+    counts, total = value
+    if type(counts) is not list or len(counts) != len(bounds) + 1:
+        raise bad(f"{path}.counts", f"a list of {len(bounds) + 1} counts", counts)
+    checked = tuple(check_count(n, f"{path}.counts[{i}]", limits) for i, n in enumerate(counts))
+    if type(total) is int:
+        total = float(total)
+    if type(total) is not float or not math.isfinite(total) or total < 0:
+        raise bad(f"{path}.total", "a finite float >= 0", total)
+    return Observed(checked, total)
