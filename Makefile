@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/kvmesh bench local
+	$(BIN)/kvmesh demo
 
 test: install
 	$(BIN)/python -m pytest

@@ -38,6 +38,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cluster.demo import demo_console, run_demo
+
+    # With --json, stdout carries the JSON line only: the tables go to stderr.
+    if not args.scale > 0:
+        print(f"kvmesh demo: --scale must be > 0, got {args.scale}", file=sys.stderr)
+        return 2
+    out = demo_console(sys.stderr if args.json else sys.stdout)
+    try:
+        figures = run_demo(args.config, log=sys.stderr, scale=args.scale, out=out)
+    except KeyboardInterrupt:
+        print("kvmesh demo: interrupted; the mesh is stopped", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(figures, sort_keys=False))
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster import launch
     from cluster.status import render_status
@@ -89,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print only the JSON line")
     bench.set_defaults(func=cmd_bench)
+    demo = commands.add_parser(
+        "demo", help="the main job: a shared-prefix workload on an embedded mesh, with tables"
+    )
+    demo.add_argument("--config", help="the YAML configuration (default configs/local.yaml)")
+    demo.add_argument("--json", action="store_true", help="end with one JSON line on stdout")
+    demo.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the number of requests (default 1.0)"
+    )
+    demo.set_defaults(func=cmd_demo)
     address_help = "the Ray cluster's address (default: the one `kvmesh up` recorded)"
     up = commands.add_parser("up", help="start the service and the workers, and leave them running")
     up.add_argument("--config", required=True, help="the YAML configuration (configs/*.yaml)")

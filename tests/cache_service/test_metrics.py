@@ -270,3 +270,26 @@ def test_a_report_that_breaks_the_bounds_is_refused_and_changes_nothing():
         assert rig.server.stats()["served"]["reporting_workers"] == 0
     finally:
         rig.close()
+
+
+def test_tenant_labels_are_bounded_by_the_names_the_index_keeps():
+    rig = ServiceRig(auth=True, max_tenants=2)
+    try:
+        _, w0 = rig.worker("w0")
+        front = rig.client("front_door")
+        for i in range(4):
+            front.name_tenant(f"salt-{i}", f"tenant-{i}")
+        rows = tuple(TenantTokens(f"salt-{i}", 1, 0, 0, 4) for i in range(4))
+        w0._report = lambda: EMPTY_REPORT._replace(tenants=rows)
+        assert w0.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+        tenants = {
+            dict(labels)["tenant"]: value
+            for (name, labels), value in got.items()
+            if name == "kvmesh_requests_total"
+        }
+        # Two names kept; the later tenants' figures still count, under one label.
+        assert tenants == {"tenant-0": 1, "tenant-1": 1, "(unnamed)": 2}
+    finally:
+        rig.close()
