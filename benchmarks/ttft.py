@@ -56,6 +56,7 @@ def run(log=sys.stderr) -> dict[str, float]:
             prefix = _tokens(rng, PREFIX_TOKENS)
             a, b, c = (_tokens(rng, SUFFIX_TOKENS) for _ in range(3))
             first = mesh.generate(prefix + a, 1, tenant=tenant, worker="w0")
+            mesh.flush()  # w0's pages in the index before w1 asks for them
             assert first.stats["computed_tokens"] == PREFIX_TOKENS + SUFFIX_TOKENS
             hit = mesh.generate(prefix + b, 1, tenant=tenant, worker="w0")
             assert hit.stats["local_hit_tokens"] == PREFIX_TOKENS

@@ -6,7 +6,7 @@ on first use so that `kvmesh --help` does not pay for Ray and torch.
 
 from typing import Any
 
-__all__ = ["connect", "Mesh", "GenerateResult"]
+__all__ = ["connect", "Mesh", "GenerateResult", "MeshError"]
 
 
 def __getattr__(name: str) -> Any:

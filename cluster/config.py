@@ -91,9 +91,18 @@ class WorkersConfig:
     num_gpus: float | None = None
     # How long a start waits for resources that exist but are taken by other work.
     placement_timeout_s: float = 60.0
+    # Times Ray restarts a worker that died (its process killed, its node lost): each
+    # restart is a new incarnation with a fresh, empty store. 0: a dead worker stays dead
+    # and the others take its requests.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         _check_host(self.host, "workers.host")
+        if type(self.max_restarts) is not int or self.max_restarts < -1:
+            raise ConfigError(
+                f"workers.max_restarts must be an int >= 0 (or -1: always), got "
+                f"{self.max_restarts!r}"
+            )
         if self.count <= 0:
             raise ConfigError(f"workers.count must be positive, got {self.count}")
         if self.threads <= 0:

@@ -206,6 +206,9 @@ class Session:
         result = self.mesh.generate(
             request.tokens, MAX_NEW_TOKENS, tenant=request.tenant, worker=request.worker
         )
+        # Workers publish in the background a moment after each request; the next request
+        # of the demo comes at once, so it waits for that to have happened.
+        self.mesh.flush()
         s = result.stats
         hits = s["local_hit_tokens"] + s["remote_hit_tokens"]
         own = self._history.setdefault(request.tenant, [])

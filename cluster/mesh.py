@@ -13,6 +13,15 @@ worker; a client only ever names its tenant. Different tenants therefore never s
 pages, even for byte-identical prompts. The front door tells the service each tenant's
 name, so the statistics show names, never salts.
 
+Dead workers: Ray tells the front door at once when a worker's actor is gone (a call to
+it raises `RayActorError`: a request's, or the watchdog's ping every WATCH_INTERVAL_S).
+The front door then stops routing to it, reports it to the service (which drops its
+holdings from the index at once; liveness expiry is the backstop), tells the other
+workers to forget it as a peer, and runs a request that was on it again on a live
+worker: a recompute, never an error for the user. `stats()` shows it as not alive. With
+`workers.max_restarts`, Ray restarts a dead worker with a fresh store; the watchdog takes
+it back once it answers, and its peers learn its new store.
+
 Keys: `connect` makes the mesh's keys (`cache_service.auth.MeshKeys`: the service's, the
 front door's, one pair per worker, and the mesh secret) and hands them to the actors it
 creates; with `security.auth` on (the default) the service and the page servers admit
@@ -21,6 +30,7 @@ those keys only, each bound to its identity.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -47,13 +57,15 @@ from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.errors import MeshError
 from cluster.status import summarize
-from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
-from workers.worker import Worker, WorkerSettings
+from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
+from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 SHUTDOWN_TIMEOUT_S = 60.0  # for every worker to unlink its store and stop serving
 EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
+REVIVAL_PROBE_S = 1.0  # how often a dead worker is asked whether Ray restarted it
+WATCH_INTERVAL_S = 0.5  # how often the front door checks that its workers are alive
 
 
 class GenerateResult(NamedTuple):
@@ -146,11 +158,23 @@ class Mesh:
         # The keys, when the mesh uses them (authentication on); None otherwise.
         self._keys = keys if cfg.security.auth else None
         front_door = keys.front_door if cfg.security.auth else None
+        # Routing asks the service on every request: one short try, then skip it for a
+        # while when it is down (requests are routed by load among live workers meanwhile).
         self._client = ServiceClient(
-            ray_resolver(), timeout_s=2.0, retries=1, client_keys=front_door
+            ray_resolver(),
+            timeout_s=1.0,
+            retries=0,
+            client_keys=front_door,
+            backoff_s=SERVICE_BACKOFF_S,
         )
         self._named: set[str] = set()  # tenants whose names the service has
         self._inflight = dict.fromkeys(workers, 0)
+        self._dead: set[str] = set()  # workers whose actors Ray reported gone
+        self._probes: dict[str, Any] = {}  # dead worker -> its pending `info` call
+        self._next_probe = 0.0
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_stop = threading.Event()
+        self._peer_infos: dict[str, dict[str, Any]] = {}  # how workers reach each other
         self._lock = threading.Lock()
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it
@@ -204,15 +228,18 @@ class Mesh:
                     lifetime="detached" if detached else None,
                     num_cpus=bundle.get("CPU", 0.0),
                     num_gpus=bundle.get("GPU", 0.0),
-                    max_restarts=0,
+                    max_restarts=cfg.workers.max_restarts,
+                    max_task_retries=0,  # a request in flight fails over at the front door
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=i
                     ),
                 ).remote(settings)
             mesh._inflight = dict.fromkeys(workers, 0)
             infos = _wait_ready(workers, log)
+            mesh._peer_infos = {info["worker_id"]: info for info in infos}
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
             mesh._local_pids = _local_pids(workers)
+            mesh._start_watchdog()
         except BaseException:
             mesh.stop()
             raise
@@ -267,6 +294,10 @@ class Mesh:
         )
         mesh = cls(running, workers, None, started_ray, keys, owned=False)
         mesh._local_pids = _local_pids(workers)
+        infos = _gather({wid: w.info.remote() for wid, w in workers.items()}, STATS_TIMEOUT_S)
+        mesh._peer_infos = {w: i for w, i in infos.items() if not isinstance(i, Exception)}
+        mesh._dead = {w for w, i in infos.items() if isinstance(i, ray.exceptions.RayActorError)}
+        mesh._start_watchdog()
         return mesh
 
     @property
@@ -302,29 +333,81 @@ class Mesh:
             remote_hit_tokens, computed_tokens, ttft_s and worker.
         Raises:
             ValueError: empty prompt, unknown worker or tenant, bad max_new_tokens.
+            MeshError: no live worker is left, or the worker named by `worker` is dead.
         """
         if self._closed:
             raise RuntimeError("mesh is shut down")
         tokens = self._tokens(prompt)
         if not tokens:
             raise ValueError("empty prompt")
+        if worker is not None and worker not in self.workers:
+            raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
         salt = self.salt(tenant)
         self._name_tenant(tenant, salt)
-        if worker is None:
-            worker = self._route(Namespace(self.config.model.name, "", salt), tokens)
-        elif worker not in self.workers:
-            raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
+        namespace = Namespace(self.config.model.name, "", salt)
+        while True:
+            chosen = worker or self._route(namespace, tokens)
+            if chosen in self._dead:
+                raise MeshError(f"worker {chosen!r} is dead")
+            try:
+                out = self._run(chosen, tokens, max_new_tokens, salt, return_logits, reuse)
+            except ray.exceptions.RayActorError as exc:
+                self._lost(chosen, exc)
+                if worker is not None:
+                    raise MeshError(f"worker {chosen!r} died during the request: {exc}") from None
+                continue  # routed: run it again on a live worker
+            return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
+
+    def _run(self, worker: str, tokens, max_new_tokens, salt, return_logits, reuse) -> dict:
         with self._lock:
             self._inflight[worker] += 1
         try:
             call = self.workers[worker].generate.remote(
                 tokens, max_new_tokens, salt, return_logits=return_logits, reuse=reuse
             )
-            out = ray.get(call)
+            return ray.get(call)
         finally:
             with self._lock:
                 self._inflight[worker] -= 1
-        return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
+
+    def flush(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
+        """Wait until every live worker's events are applied by the service (workers
+        publish in the background, a moment after each request): for tests and
+        benchmarks that need the index to be current.
+
+        Raises:
+            MeshError: a live worker could not bring the service up to date in time.
+        """
+        calls = {w: self.workers[w].flush.remote() for w in self.live_workers()}
+        failed = []
+        for worker_id, answer in _gather(calls, timeout_s).items():
+            if isinstance(answer, ray.exceptions.RayActorError):
+                self._lost(worker_id, answer)
+            elif answer is not True:
+                failed.append(f"{worker_id} ({answer or 'the service did not answer'})")
+        if failed:
+            raise MeshError(f"the index is not up to date with {', '.join(failed)}")
+
+    def live_workers(self) -> list[str]:
+        """The workers not known to be dead, by id."""
+        with self._lock:
+            return [w for w in self.workers if w not in self._dead]
+
+    def _lost(self, worker_id: str, reason: BaseException) -> None:
+        """Ray says `worker_id`'s actor is gone: route around it from now on, have the
+        service drop its holdings at once, and tell the other workers to forget it."""
+        with self._lock:
+            if worker_id in self._dead:
+                return
+            self._dead.add(worker_id)
+        print(
+            f"kvmesh: worker {worker_id} is gone ({type(reason).__name__}); routing around it",
+            file=sys.stderr,
+        )
+        # Without the service its pages leave the index when its liveness expires.
+        with contextlib.suppress(ServiceUnavailable, ServiceError):
+            self._client.report_dead(worker_id)
+        self._tell_peers()
 
     def salt(self, tenant: str) -> str:
         """The namespace salt of a tenant (derived from the mesh secret, never taken from a
@@ -357,6 +440,9 @@ class Mesh:
         answers = _gather(
             {wid: w.stats.remote() for wid, w in self.workers.items()}, STATS_TIMEOUT_S
         )
+        for worker_id, answer in answers.items():
+            if isinstance(answer, ray.exceptions.RayActorError):
+                self._lost(worker_id, answer)
         workers = {
             worker_id: (
                 {"alive": False, "error": f"{type(answer).__name__}: {answer}"}
@@ -370,7 +456,16 @@ class Mesh:
         return summarize(service, workers, nodes, address, self.config.security.auth)
 
     def check_integrity(self) -> None:
-        ray.get([w.check_integrity.remote() for w in self.workers.values()])
+        """Check every live worker's and the service's invariants (raises what they raise);
+        a worker found dead is skipped (and routed around from now on)."""
+        calls = {wid: w.check_integrity.remote() for wid, w in self.workers.items()}
+        for worker_id, answer in _gather(calls, STATS_TIMEOUT_S).items():
+            if isinstance(answer, ray.exceptions.RayActorError):
+                self._lost(worker_id, answer)
+            elif isinstance(answer, ray.exceptions.RayTaskError):
+                raise answer.as_instanceof_cause()
+            elif isinstance(answer, Exception):
+                raise answer
         ray.get(get_service().check_integrity.remote())
 
     def shutdown(self) -> None:
@@ -388,6 +483,7 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
+        self._stop_watchdog()
         self._client.close()
         if self._started_ray:
             ray.shutdown()
@@ -400,6 +496,7 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
+        self._stop_watchdog()
         calls = {worker_id: w.shutdown.remote() for worker_id, w in self.workers.items()}
         for worker_id, answer in _gather(calls, SHUTDOWN_TIMEOUT_S).items():
             if isinstance(answer, Exception):
@@ -431,13 +528,99 @@ class Mesh:
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
+    def _start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch, name="kvmesh-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        self._watchdog_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(10.0)
+            self._watchdog = None
+
+    def _watch(self) -> None:
+        """Ping every live worker every WATCH_INTERVAL_S. Ray answers a call to a dead
+        actor with RayActorError at once, so a death is seen within about that interval
+        even when no request goes to the dead worker (a busy worker only delays its
+        ping: slowness is never taken for death). Restarted workers are taken back."""
+        pings: dict[str, Any] = {}
+        while not self._watchdog_stop.wait(WATCH_INTERVAL_S):
+            try:
+                for worker_id in self.live_workers():
+                    if worker_id not in pings:
+                        pings[worker_id] = self.workers[worker_id].process.remote()
+                if pings:
+                    ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+                    done = set(ready)
+                    for worker_id, ping in list(pings.items()):
+                        if ping in done:
+                            del pings[worker_id]
+                            self._answered(worker_id, ping)
+                self._check_revived()
+            except Exception as exc:  # the watchdog must outlive whatever one round hit
+                if self._watchdog_stop.is_set():
+                    return
+                print(f"kvmesh: worker watchdog round failed: {exc!r}", file=sys.stderr)
+
+    def _answered(self, worker_id: str, ping: Any) -> None:
+        try:
+            ray.get(ping, timeout=0)
+        except ray.exceptions.RayActorError as exc:
+            self._lost(worker_id, exc)
+        except ray.exceptions.RayError:
+            pass  # not a death: asked again next round
+
+    def _check_revived(self) -> None:
+        """Take back dead workers that Ray restarted (`workers.max_restarts`): each is a new
+        incarnation with an empty store, and the others learn where its pages now are.
+        Probes at most every REVIVAL_PROBE_S, without waiting for an answer."""
+        if not self._dead or self.config.workers.max_restarts == 0:
+            return
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + REVIVAL_PROBE_S
+        for worker_id in sorted(self._dead):
+            probe = self._probes.get(worker_id)
+            if probe is None:
+                probe = self._probes[worker_id] = self.workers[worker_id].info.remote()
+            ready, _ = ray.wait([probe], timeout=0)
+            if not ready:
+                continue  # restarting: ask again later
+            del self._probes[worker_id]
+            try:
+                info = ray.get(probe)
+            except ray.exceptions.RayActorError:
+                continue  # dead for good, or died again before answering
+            with self._lock:
+                self._peer_infos[worker_id] = info
+                self._dead.discard(worker_id)
+            print(f"kvmesh: worker {worker_id} is back (restarted, empty)", file=sys.stderr)
+            self._tell_peers()
+
+    def _tell_peers(self) -> None:
+        """Every live worker gets the current list of its peers (not awaited)."""
+        live = self.live_workers()
+        peers = [self._peer_infos[w] for w in live if w in self._peer_infos]
+        for w in live:
+            self.workers[w].set_peers.remote(peers)
+
     def _route(self, namespace: Namespace, tokens: list[int]) -> str:
+        """The live worker that should take the prompt (the service weighs what each holds
+        against its load); without the service, the least loaded live worker.
+
+        Raises:
+            MeshError: every worker is dead.
+        """
         with self._lock:
-            total = sum(self._inflight.values()) or 1
-            loads = {w: n / total for w, n in self._inflight.items()}
+            inflight = {w: n for w, n in self._inflight.items() if w not in self._dead}
+        if not inflight:
+            raise MeshError(f"no live worker left (dead: {', '.join(sorted(self._dead))})")
+        total = sum(inflight.values()) or 1
+        loads = {w: n / total for w, n in inflight.items()}
         try:
             decision = self._client.route(namespace, tokens, loads)
-            if decision.worker_id in self.workers:
+            if decision.worker_id in loads:
                 return decision.worker_id
         except ServiceUnavailable:
             pass  # route without the index: least loaded

@@ -6,12 +6,21 @@ queued), reconnect (re-resolving the service's address, which changes when the s
 restarts) and try again. A reply that arrives late for an earlier request is recognised by
 its id and dropped, so a lost reply never wedges the socket. After `retries` more tries
 the call raises `ServiceUnavailable`, which callers treat as a cache miss.
+
+A circuit breaker (on when `backoff_s` > 0) keeps an outage from costing every request
+those timeouts again: a request must not wait seconds on a service that is down. After a
+call ends in `ServiceUnavailable` the breaker opens, and for the next `backoff` seconds
+every call raises `ServiceSkipped` at once, without touching the network. The first call
+after that is a probe of one try: a reply (an error reply too: the service answered)
+closes the breaker, no reply opens it again for twice as long, up to `max_backoff_s`. The
+probe is how recovery is noticed; while it is in flight the other callers are skipped.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +60,23 @@ class ServiceUnavailable(RuntimeError):
     """The service did not answer in time (down, restarting or unreachable)."""
 
 
+class ServiceSkipped(ServiceUnavailable):
+    """The client did not ask: the service gave no reply lately and its backoff runs on.
+
+    Attributes:
+        retry_in_s: seconds until the next call probes the service again.
+    """
+
+    def __init__(self, message: str, retry_in_s: float):
+        # Both in args so the exception survives pickling (Ray ships exceptions).
+        super().__init__(message, retry_in_s)
+        self.message = message
+        self.retry_in_s = retry_in_s
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class ServiceError(RuntimeError):
     """The service answered with an error reply.
 
@@ -87,6 +113,16 @@ class ServiceClient:
         client_keys: this client's CurveZMQ key pair (`KeyPair` or (public, secret) z85),
             bound to its identity in the mesh; a fresh pair per connection otherwise (which
             a service with authentication on refuses).
+        backoff_s: how long calls are skipped after one got no reply (the circuit breaker);
+            0 turns the breaker off: every call tries the network.
+        max_backoff_s: the longest skip, reached by doubling after each failed probe;
+            None: 8 x backoff_s.
+        clock: seconds, monotonic; the breaker's time (tests move their own). The tries'
+            own timeouts run on the real clock.
+
+    Raises:
+        ValueError: timeout_s <= 0, retries < 0, backoff_s < 0 or not finite, or
+            max_backoff_s < backoff_s or not finite.
     """
 
     def __init__(
@@ -96,9 +132,20 @@ class ServiceClient:
         retries: int = 2,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         client_keys: tuple[bytes, bytes] | None = None,
+        backoff_s: float = 0.0,
+        max_backoff_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if timeout_s <= 0 or retries < 0:
             raise ValueError(f"timeout_s must be > 0 and retries >= 0: {timeout_s}, {retries}")
+        if not (math.isfinite(backoff_s) and backoff_s >= 0):
+            raise ValueError(f"backoff_s must be finite and >= 0, got {backoff_s}")
+        if max_backoff_s is None:
+            max_backoff_s = 8 * backoff_s
+        if not (math.isfinite(max_backoff_s) and max_backoff_s >= backoff_s):
+            raise ValueError(
+                f"max_backoff_s must be finite and >= backoff_s ({backoff_s}), got {max_backoff_s}"
+            )
         self._resolve = endpoint if callable(endpoint) else (lambda: endpoint)
         self.timeout_s = timeout_s
         self.retries = retries
@@ -108,8 +155,52 @@ class ServiceClient:
         self._socket: zmq.Socket | None = None
         self._endpoint: ServiceEndpoint | None = None
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the socket: held for a whole call, network waits too
         self.reconnects = 0
+        # The circuit breaker, closed while `_open_until` is None. Its own lock is never held
+        # across a network wait, so a skipped call does not queue behind a probe in flight.
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._breaker_lock = threading.Lock()
+        self._open_until: float | None = None
+        self._backoff = backoff_s  # the length of the current skip, or of the next one
+        self._probing = False  # one call has claimed the probe: the others are skipped
+        self._outage = ""  # what the last call without a reply asked, for the skip message
+        self._skipped = 0
+        self._outages = 0
+        self._probes = 0
+
+    # ------------------------------------------------------------------ the breaker's state
+
+    @property
+    def circuit_open(self) -> bool:
+        """Whether a call made now would be skipped (False once a probe is due)."""
+        with self._breaker_lock:
+            return self._open_until is not None and (
+                self._probing or self._clock() < self._open_until
+            )
+
+    @property
+    def current_backoff_s(self) -> float:
+        """The length of the current skip (backoff_s while the breaker is closed)."""
+        with self._breaker_lock:
+            return self._backoff
+
+    @property
+    def skipped(self) -> int:
+        """Calls refused at once while the breaker was open."""
+        return self._skipped
+
+    @property
+    def outages(self) -> int:
+        """Times the breaker opened from closed (a failed probe re-opens the same outage)."""
+        return self._outages
+
+    @property
+    def probes(self) -> int:
+        """Single tries made after a backoff ran out, whether answered or not."""
+        return self._probes
 
     # ------------------------------------------------------------------ requests
 
@@ -181,37 +272,101 @@ class ServiceClient:
         """(Front door) the service shows `salt`'s statistics under `name`."""
         self.call(NameTenant(salt, name))
 
-    # ------------------------------------------------------------------ transport
+    # ------------------------------------------------------------------ calls
 
     def call(self, body: Request) -> Reply:
         """Send one request and return its ok reply's typed body.
 
         Raises:
-            ServiceUnavailable: no reply after all tries.
-            ServiceError: the service answered with an error.
+            ServiceSkipped: the breaker is open (a recent call got no reply); nothing was
+                sent.
+            ServiceUnavailable: no reply after all tries (one try when the call probes the
+                service after a backoff); the breaker opens.
+            ServiceError: the service answered with an error (the breaker closes).
             ProtocolError: the request itself is malformed (nothing was sent).
         """
-        with self._lock:
-            tries = self.retries + 1
-            for _ in range(tries):
-                socket = self._socket or self._connect()
-                if socket is None:
-                    time.sleep(min(self.timeout_s, 0.2))  # no address yet: the service is starting
-                    continue
-                request_id = next(self._ids)
-                frame = protocol.encode(protocol.request(request_id, body), limits=self.limits)
-                socket.send(frame)
-                reply = self._await(socket, request_id)
-                if reply is not None:
-                    if reply.type == protocol.ERROR:
-                        raise ServiceError(reply.body.code, reply.body.message)
-                    return reply.body
-                self._reset()  # Lazy Pirate: a fresh socket, nothing stale left queued
-            where = self._endpoint.address if self._endpoint else "the service"
-            kind = protocol.KIND_OF.get(type(body), type(body).__name__)
-            raise ServiceUnavailable(
-                f"no reply from {where} to {kind!r} after {tries} tries of {self.timeout_s}s"
-            )
+        probe = self._admit()  # first outside the socket's lock: a skip waits on nothing
+        try:
+            with self._lock:
+                probe = probe or self._admit()  # it may have opened while this call waited
+                tries = 1 if probe else self.retries + 1
+                try:
+                    reply = self._exchange(body, tries)
+                except ServiceError:
+                    self._answered()
+                    raise
+                except ServiceUnavailable:
+                    self._no_reply(body, tries)
+                    raise
+                self._answered()
+                return reply
+        finally:
+            if probe:
+                with self._breaker_lock:
+                    self._probing = False
+
+    def _admit(self) -> bool:
+        """Whether this call is the probe; raises ServiceSkipped while the breaker is open."""
+        with self._breaker_lock:
+            if self._open_until is None:
+                return False
+            remaining = self._open_until - self._clock()
+            if remaining > 0 or self._probing:
+                self._skipped += 1
+                when = f"for {remaining:.3g}s more" if remaining > 0 else "while a probe runs"
+                raise ServiceSkipped(
+                    f"service skipped {when} after no reply from {self._outage}",
+                    max(remaining, 0.0),
+                )
+            self._probing = True
+            self._probes += 1
+            return True
+
+    def _answered(self) -> None:
+        with self._breaker_lock:
+            if self._open_until is not None:
+                log.info("service at %s answers again: calls go through", self._where())
+            self._open_until = None
+            self._backoff = self.backoff_s
+
+    def _no_reply(self, body: Request, tries: int) -> None:
+        if not self.backoff_s:
+            return  # the breaker is off
+        with self._breaker_lock:
+            # Only a probe runs while the breaker is open (calls hold the socket's lock).
+            if self._open_until is None:
+                self._outages += 1
+                self._backoff = self.backoff_s
+            else:
+                self._backoff = min(2 * self._backoff, self.max_backoff_s)
+            self._open_until = self._clock() + self._backoff
+            self._outage = f"{self._where()} ({_describe(body, tries, self.timeout_s)})"
+            log.warning("service skipped for %.3gs: no reply from %s", self._backoff, self._outage)
+
+    # ------------------------------------------------------------------ transport
+
+    def _exchange(self, body: Request, tries: int) -> Reply:
+        """Up to `tries` tries of one request, each on a fresh socket (the socket's lock held)."""
+        for _ in range(tries):
+            socket = self._socket or self._connect()
+            if socket is None:
+                time.sleep(min(self.timeout_s, 0.2))  # no address yet: the service is starting
+                continue
+            request_id = next(self._ids)
+            frame = protocol.encode(protocol.request(request_id, body), limits=self.limits)
+            socket.send(frame)
+            reply = self._await(socket, request_id)
+            if reply is not None:
+                if reply.type == protocol.ERROR:
+                    raise ServiceError(reply.body.code, reply.body.message)
+                return reply.body
+            self._reset()  # Lazy Pirate: a fresh socket, nothing stale left queued
+        raise ServiceUnavailable(
+            f"no reply from {self._where()} to {_describe(body, tries, self.timeout_s)}"
+        )
+
+    def _where(self) -> str:
+        return self._endpoint.address if self._endpoint else "the service"
 
     def _await(self, socket: zmq.Socket, request_id: int) -> Message | None:
         deadline = time.monotonic() + self.timeout_s
@@ -251,6 +406,15 @@ class ServiceClient:
             self._socket = None
             self.reconnects += 1
 
+    def reconnect(self) -> None:
+        """The service moved (a new incarnation, a new address): drop the connection and
+        close the breaker, so the next call resolves the endpoint and tries at once."""
+        with self._lock:
+            self._reset()
+        with self._breaker_lock:
+            self._open_until = None
+            self._backoff = self.backoff_s
+
     def close(self) -> None:
         """Close the socket (idempotent)."""
         with self._lock:
@@ -263,6 +427,12 @@ class ServiceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe(body: Request, tries: int, timeout_s: float) -> str:
+    """E.g. "'match' after 2 tries of 0.5s"."""
+    kind = protocol.KIND_OF.get(type(body), type(body).__name__)
+    return f"{kind!r} after {tries} {'try' if tries == 1 else 'tries'} of {timeout_s}s"
 
 
 def ray_resolver(timeout_s: float = 5.0) -> Callable[[], ServiceEndpoint]:

@@ -258,6 +258,13 @@ def _check_name(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def owner_alive(name: str) -> bool:
+    """Whether the process that created segment `name` still runs (on this node: pids are
+    this node's). A name not in the kvmesh format has no owner we know of: False."""
+    match = _NAME_RE.fullmatch(name)
+    return match is not None and process_start_time(int(match[1])) == int(match[2])
+
+
 def reclaim_dead_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Unlink the segments of owners that no longer run.
 
@@ -277,11 +284,7 @@ def reclaim_dead_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """
     reclaimed = []
     for name in sorted(os.listdir(SHM_DIR)):
-        match = _NAME_RE.fullmatch(name)
-        if not name.startswith(prefix) or match is None:
-            continue
-        pid, start_time = int(match[1]), int(match[2])
-        if process_start_time(pid) == start_time:
+        if not name.startswith(prefix) or not _NAME_RE.fullmatch(name) or owner_alive(name):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))

@@ -11,12 +11,18 @@ every published page) whenever it may have diverged:
 A lost reply is harmless: the retry carries the same sequence number, and the service
 ignores a batch it already applied. Epochs belong to the service: each registration gets a
 new one, and every later message carries it.
+
+Publishing is off the request path: a request only `nudge`s the publisher's thread, which
+sends the new events a moment later; a failure to publish is logged and repaired by a
+resync, never raised into a request. `sync()` (the worker's `flush`) publishes now and
+says whether the service is up to date, for tests and benchmarks that must know.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from cache_service.messages import EMPTY_REPORT, WorkerReport
@@ -40,6 +46,8 @@ class EventPublisher:
             page server, where peers on other nodes read pages.
         load: the worker's current load, sent with each heartbeat.
         report: the worker's figures, sent with each heartbeat (for the service's metrics).
+        on_new_service: called when a new service incarnation answered (its epoch changed),
+            so the worker's other clients reconnect at once instead of timing out first.
     """
 
     def __init__(
@@ -52,6 +60,7 @@ class EventPublisher:
         address: str = "",
         load: Callable[[], float] = lambda: 0.0,
         report: Callable[[], WorkerReport] = lambda: EMPTY_REPORT,
+        on_new_service: Callable[[], None] = lambda: None,
     ):
         self.client = client
         self.cache = cache
@@ -61,6 +70,7 @@ class EventPublisher:
         self.address = address
         self._load = load
         self._report = report
+        self._on_new_service = on_new_service
         self.epoch = 0  # issued by the service at registration; 0: not registered
         self.seq = 0
         self.service_epoch: int | None = None
@@ -69,6 +79,7 @@ class EventPublisher:
         self._needs_sync = True  # nothing registered yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by nudge(): events are waiting
         self._thread: threading.Thread | None = None
 
     def sync(self) -> bool:
@@ -87,6 +98,10 @@ class EventPublisher:
                 return True
             except ServiceUnavailable as exc:
                 log.warning("worker %s: service unavailable (%s)", self.worker_id, exc)
+                self._needs_sync = True
+                return False
+            except ServiceError as exc:  # refused (e.g. a stale epoch): start over
+                log.warning("worker %s: service refused an update (%s)", self.worker_id, exc)
                 self._needs_sync = True
                 return False
 
@@ -122,9 +137,15 @@ class EventPublisher:
         )
         self._thread.start()
 
+    def nudge(self) -> None:
+        """New events are waiting: the publisher's thread sends them now (without the
+        caller waiting for it)."""
+        self._wake.set()
+
     def stop(self, bye: bool = True) -> None:
         """Stop the thread; with `bye`, tell the service to drop this worker now."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
@@ -135,18 +156,33 @@ class EventPublisher:
                 log.info("worker %s: bye not delivered (%s)", self.worker_id, exc)
 
     def _run(self, interval_s: float, tick: Callable[[], None] | None) -> None:
-        while not self._stop.wait(interval_s):
-            for step in (self.heartbeat, tick):
+        """Heartbeat (which syncs) and tick every `interval_s`; sync at once when nudged."""
+        next_beat = time.monotonic() + interval_s
+        while True:
+            self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            if time.monotonic() >= next_beat:
+                steps = (self.heartbeat, tick)
+                next_beat = time.monotonic() + interval_s
+            else:
+                steps = (self.sync,)
+            for step in steps:
                 if step is None:
                     continue
                 try:
                     step()
                 except Exception:  # keep publishing whatever one round ran into
+                    self._needs_sync = True
                     log.exception("worker %s: publisher round failed", self.worker_id)
 
     def _register_and_resync(self) -> None:
         registered = self.client.register(self.worker_id, self.node_id, self.tier, self.address)
+        moved = self.service_epoch is not None and registered.service_epoch != self.service_epoch
         self.service_epoch, self.epoch, self.seq = registered.service_epoch, registered.epoch, 0
+        if moved:
+            self._on_new_service()
         chains = self.cache.snapshot(drain_events=True)
         self.seq += 1
         self.client.resync(self.worker_id, self.epoch, self.seq, chains)

@@ -10,7 +10,8 @@ A request's path through a worker (see also docs/structure.md):
    holders share the work. Each copied page is validated; the first page that fails
    ends the copied prefix, and everything after it is recomputed.
 3. The model computes the rest and decodes; `publish` makes the new full pages
-   shareable, the publisher tells the service, `release` unpins.
+   shareable, `release` unpins, and the publisher's thread tells the service a moment
+   later (never on the request path: a failure to publish never fails a request).
 
 The class is plain Python (tested without Ray); `cluster` runs it as a Ray actor.
 """
@@ -34,7 +35,12 @@ from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
 from workers.digests import page_digests
 from workers.figures import WorkerFigures
 from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, tiny_llama
-from workers.page_store import PageStoreError, SharedPageStore
+from workers.page_store import (
+    PageStoreError,
+    SharedPageStore,
+    owner_alive,
+    reclaim_dead_segments,
+)
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
 from workers.transfer import (
@@ -47,6 +53,11 @@ from workers.transfer import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# After the service failed to answer, its clients skip it for this long (doubling while it
+# stays down, up to 8 times as long); the publisher's heartbeats probe for its return.
+SERVICE_BACKOFF_S = 1.0
 
 
 class CacheFull(RuntimeError):
@@ -112,6 +123,9 @@ class Worker:
         self.tokenizer = tokenizer
         page_tokens = settings.cache.page_tokens
         layout = store_layout_for(model, settings.num_pages, page_tokens)
+        # A restarted worker's predecessor (or any dead worker on this node) could not
+        # unlink its store: that memory comes back before ours is taken.
+        reclaim_dead_segments()
         self.store = SharedPageStore.create(layout, tag=_tag(settings.worker_id))
         self.cache = PrefixCache(self.store, settings.cache)
         self.runner = ModelRunner(model, self.store)
@@ -129,21 +143,28 @@ class Worker:
             else _ray_resolver()
         )
         keys = settings.keypair
-        self.client = ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys)
+        # On the request path: one short try, then skip the service for a while (a
+        # request on a worker whose service is down runs on its local cache at once).
+        self.client = ServiceClient(
+            endpoint, timeout_s=1.0, retries=0, client_keys=keys, backoff_s=SERVICE_BACKOFF_S
+        )
         self.active = 0
         # Prompt tokens by source and tenant, copies, TTFT: sent with every heartbeat.
         self.figures = WorkerFigures()
         self.publisher = EventPublisher(
-            ServiceClient(endpoint, timeout_s=2.0, retries=1, client_keys=keys),
+            ServiceClient(
+                endpoint, timeout_s=2.0, retries=1, client_keys=keys, backoff_s=SERVICE_BACKOFF_S
+            ),
             self.cache,
             settings.worker_id,
             settings.node_id,
             address=self.page_server.address,
             load=self.load,
             report=lambda: self.figures.report(self.cache.stats()),
+            on_new_service=self.client.reconnect,
         )
         self.publisher.sync()
-        self.publisher.start(settings.publish_interval_s, tick=self.page_server.ensure_running)
+        self.publisher.start(settings.publish_interval_s, tick=self._housekeeping)
         self.peers: dict[str, PeerInfo] = {}
         self._attached: dict[str, SharedPageStore] = {}
         self._page_clients: dict[str, PageClient] = {}
@@ -163,10 +184,26 @@ class Worker:
         )._asdict()
 
     def set_peers(self, peers: Sequence[dict[str, Any]]) -> None:
-        """The other workers of the cluster (as returned by their `info`)."""
-        self.peers = {
-            p["worker_id"]: PeerInfo(**p) for p in peers if p["worker_id"] != self.worker_id
-        }
+        """The other workers of the cluster (as returned by their `info`). A peer left out
+        (dead, or gone) is forgotten: its store is detached, its page client closed."""
+        new = {p["worker_id"]: PeerInfo(**p) for p in peers if p["worker_id"] != self.worker_id}
+        for worker_id, peer in self.peers.items():
+            if new.get(worker_id) != peer:
+                self._forget(peer)
+        self.peers = new
+
+    def _forget(self, peer: PeerInfo) -> None:
+        store = self._attached.pop(peer.shm_name, None)
+        if store is not None:
+            store.close()
+        client = self._page_clients.pop(peer.page_address, None)
+        if client is not None:
+            client.close()
+
+    def _detach_dead_owners(self) -> None:
+        """Close attached stores whose owners died (the mapping would keep their memory)."""
+        for name in [n for n in self._attached if not owner_alive(n)]:
+            self._attached.pop(name).close()
 
     def generate(
         self,
@@ -235,7 +272,7 @@ class Worker:
                     allocation.publish(allocation.num_tokens)
             finally:
                 allocation.release()
-            self.publisher.sync()
+            self.publisher.nudge()  # the new pages go to the service off the request path
         finally:
             with self._lock:
                 self.active -= 1
@@ -259,6 +296,18 @@ class Worker:
             },
         }
 
+    def clear_cache(self) -> int:
+        """Drop every cached page no request holds (a cache reset); the service hears of
+        it at once (AllCleared when nothing shareable is left). Returns the pages dropped."""
+        dropped = self.cache.clear()
+        self.publisher.nudge()
+        return dropped
+
+    def flush(self) -> bool:
+        """Publish this worker's pending events now; True when the service is up to date
+        with its cache (False: the service did not answer or refused; a resync follows)."""
+        return self.publisher.sync()
+
     def load(self) -> float:
         """Requests running now (what routing weighs against cached tokens)."""
         return float(self.active)
@@ -277,6 +326,13 @@ class Worker:
             "copies_refused": self.copies_refused,
             "page_server": self.page_server.health(),
         }
+
+    def _housekeeping(self) -> None:
+        """Each publisher round: keep the page server up, and unlink the segments of dead
+        workers on this node (theirs to unlink, but a killed process cannot)."""
+        self.page_server.ensure_running()
+        for name in reclaim_dead_segments():
+            log.info("worker %s reclaimed the segment %s of a dead worker", self.worker_id, name)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
@@ -301,6 +357,7 @@ class Worker:
         """Copy what peers hold beyond our own prefix; returns where computing starts."""
         local = allocation.cached_tokens
         p = self.cache.page_tokens
+        self._detach_dead_owners()
         if not self.peers or local >= len(tokens) - 1:
             return local
         try:

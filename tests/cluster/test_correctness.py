@@ -99,6 +99,7 @@ def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles):
     assert cold.stats["local_hit_tokens"] == cold.stats["remote_hit_tokens"] == 0
 
     own = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
+    mesh.flush()  # the pages in the index before the other workers ask for them
     # every full page of the prompt (the partial last one stays private to its request)
     assert own.stats["local_hit_tokens"] == n // 16 * 16
     _same(own, cold)
@@ -109,6 +110,7 @@ def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles):
     assert same_node.stats["remote_hit_tokens"] >= (n - 1) // 16 * 16
     assert same_node.stats["local_hit_tokens"] == 0
     _same(same_node, cold)
+    mesh.flush()
 
     served_before = mesh.stats()["workers"][roles.first]["pages_served"]
     other_node = mesh.generate(
@@ -143,6 +145,7 @@ def test_several_peers_at_once(mesh, prompt, roles):
     )
     mesh.generate(prompt, 1, tenant="c", worker=roles.first)
     mesh.generate(prompt, 1, tenant="c", worker=roles.neighbour)  # both hold it now
+    mesh.flush()
     before = mesh.stats()["workers"]
     out = mesh.generate(extended, NEW_TOKENS, tenant="c", worker=roles.alone, return_logits=True)
     after = mesh.stats()["workers"]
@@ -164,6 +167,7 @@ def test_tenants_never_share_pages(mesh, prompt, roles):
 
 def test_routing_sends_a_prompt_to_its_holder(mesh, prompt, roles):
     mesh.generate(prompt, 1, tenant="f", worker=roles.alone)
+    mesh.flush()  # routing reads the index
     routed = mesh.generate(prompt + [13], 1, tenant="f")
     assert routed.stats["worker"] == roles.alone
     assert routed.stats["local_hit_tokens"] >= len(prompt) // 16 * 16

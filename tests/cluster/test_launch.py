@@ -28,6 +28,7 @@ import cluster
 mesh = cluster.connect(address=sys.argv[1])
 prompt = list(range(3, 3 + 40))
 first = mesh.generate(prompt, max_new_tokens=4, worker="w0")
+mesh.flush()  # w0's pages in the index before w1 looks
 second = mesh.generate(prompt, max_new_tokens=4, worker="w1")
 print(json.dumps({"owned": mesh.owned, "first": first.stats, "second": second.stats,
                   "same": first.token_ids == second.token_ids}))

@@ -79,6 +79,7 @@ def run_workload(mesh) -> dict[str, int]:
         tenant = TENANTS[round_ % len(TENANTS)]
         for worker in ("w0", "w0", "w1"):
             stats = mesh.generate(prompt(round_), NEW_TOKENS, tenant=tenant, worker=worker).stats
+            mesh.flush()  # the pages in the index before the next step looks for them
             sums["requests"] += 1
             sums["local_hit"] += stats["local_hit_tokens"]
             sums["remote_hit"] += stats["remote_hit_tokens"]

@@ -47,6 +47,7 @@ a, b = on[sys.argv[2]][0], on[sys.argv[3]][0]
 prompt = "You are a careful assistant for a river shipping company. " * 12 + "Where is Vienna?"
 cold = mesh.generate(prompt, max_new_tokens=8, tenant="reference", worker=b)
 first = mesh.generate(prompt, max_new_tokens=8, tenant="acme", worker=a)
+mesh.flush()  # A's pages in the index before B looks
 copied = mesh.generate(prompt, max_new_tokens=8, tenant="acme", worker=b)
 print(json.dumps({
     "a": a, "b": b, "cold": cold.stats, "first": first.stats, "copied": copied.stats,

@@ -20,7 +20,7 @@ from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
 from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
-from workers.client import ServiceError, ServiceUnavailable
+from workers.client import ServiceError, ServiceSkipped, ServiceUnavailable
 from workers.model_runner import LayoutMismatchError, ModelNotFoundError
 from workers.page_store import (
     NotOwnerError,
@@ -36,6 +36,7 @@ SAMPLES = [
     (ServiceError("forbidden", "w1 may not speak for w0"), ("code", "message")),
     (ProtocolError("bad_field", "match.tokens: 3 bytes", 7), ("code", "message", "request_id")),
     (ServiceUnavailable("no reply"), ()),
+    (ServiceSkipped("service skipped for 0.8s more", 0.8), ("message", "retry_in_s")),
     (OwnerError("owned by another thread"), ()),
     (StaleEpoch("worker 'w0' is at epoch 7, not 6"), ()),
     (RegistryFull("1024 workers registered, each holding pages"), ()),

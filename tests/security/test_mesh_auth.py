@@ -57,6 +57,7 @@ def test_authentication_is_on_by_default(mesh):
         plain.stats()
     plain.close()
     out = mesh.generate(PROMPT, 4, tenant="a", worker="w0")
+    mesh.flush()
     assert mesh.generate(PROMPT, 4, tenant="a", worker="w1").stats["remote_hit_tokens"] == 20
     assert out.stats["computed_tokens"] == len(PROMPT)
 
@@ -95,5 +96,6 @@ def test_keys_and_tenant_salts_survive_a_service_restart(mesh):
     while mesh.stats()["service"].get("pages", 0) < 5 and time.monotonic() < deadline:
         time.sleep(0.2)
     mesh.generate(PROMPT, 4, tenant="d", worker="w0")
+    mesh.flush()
     copied = mesh.generate(PROMPT, 4, tenant="d", worker="w1")  # found through the new index
     assert copied.stats["remote_hit_tokens"] == 20

@@ -19,6 +19,7 @@ def test_authentication_can_be_switched_off(ray_local):
         assert "cluster" in client.stats()
         client.close()
         plain.generate(PROMPT, 4, tenant="a", worker="w0")
+        plain.flush()
         assert plain.generate(PROMPT, 4, tenant="a", worker="w1").stats["remote_hit_tokens"] == 20
     finally:
         plain.check_integrity()

@@ -158,6 +158,7 @@ def test_a_forged_entry_is_tried_refused_and_recomputed(mesh):
     reference = mesh.generate(prompt_b, 6, tenant="reference", worker="w1", return_logits=True)
     assert reference.stats["computed_tokens"] == len(prompt_b)
     mesh.generate(prompt_a, 6, tenant="a", worker="w0")
+    mesh.flush()
     legit = mesh.generate(prompt_a + [1], 6, tenant="a", worker="w1")
     assert legit.stats["remote_hit_tokens"] == 40  # real copies pass the check
     refused_before = mesh.stats()["workers"]["w1"]["copies_refused"]

@@ -74,6 +74,7 @@ def test_prefix_served_locally_then_from_peers(trio):
     again = a.generate(prompt, 6, return_logits=True)  # own cache: 36 of 37 prefix tokens
     assert again["stats"]["local_hit_tokens"] == 37
     _check(again, expected)
+    assert a.flush()  # a's pages reach the index (they would a moment later anyway)
 
     same_node = b.generate(prompt, 6, return_logits=True)  # copied out of a's shm
     assert same_node["stats"]["local_hit_tokens"] == 0
@@ -90,8 +91,10 @@ def test_prefix_served_locally_then_from_peers(trio):
 def test_tenants_never_share(trio):
     a, b, _ = trio
     a.generate(PREFIX + [1], 4, salt="tenant-a")
+    assert a.flush()
     out = b.generate(PREFIX + [2], 4, salt="tenant-b")
     assert out["stats"]["remote_hit_tokens"] == 0 and out["stats"]["local_hit_tokens"] == 0
+    assert b.flush()
     again = a.generate(PREFIX + [3], 4, salt="tenant-b")
     assert again["stats"]["local_hit_tokens"] == 0
     assert again["stats"]["remote_hit_tokens"] == 36  # tenant-b's pages on b
@@ -100,6 +103,7 @@ def test_tenants_never_share(trio):
 def test_vanished_peer_pages_are_recomputed(trio):
     a, b, _ = trio
     a.generate(PREFIX + [1], 4)
+    assert a.flush()
     a.cache.clear()  # a evicts everything; its events have not reached the service yet
     prompt = PREFIX + [2]
     out = b.generate(prompt, 4, return_logits=True)

@@ -1,0 +1,143 @@
+"""Dead workers degrade to misses, quickly: a killed copy source costs no request, its pages
+leave the index at once, and a cache reset reaches routing at once.
+
+Three workers on the tiny model. w0 computes the prompts; w1 and w2 copy them from it or
+are routed to; w0 is killed (SIGKILL, as the kernel's OOM killer would) while requests run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+import cluster
+from cache_service.events import Namespace
+from cluster.config import config_from_dict
+from workers.client import ServiceClient, ray_resolver
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "store": {"num_pages": 128},
+    "workers": {"count": 3, "threads": 1, "num_cpus": 0.5},
+}
+PROMPT_TOKENS = 48  # three 16-token pages
+NEW_TOKENS = 4
+
+
+def prompt(i: int) -> list[int]:
+    return [(7 * i + j) % 250 + 1 for j in range(PROMPT_TOKENS)]
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def mesh(ray_local):
+    mesh = cluster.connect(config_from_dict(CONFIG), log=io.StringIO())
+    yield mesh
+    mesh.check_integrity()
+    mesh.shutdown()
+
+
+def front_door_client(mesh) -> ServiceClient:
+    return ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh._keys.front_door)
+
+
+def holders(client: ServiceClient, mesh, tokens: list[int], tenant: str) -> set[str]:
+    namespace = Namespace(mesh.config.model.name, "", mesh.salt(tenant))
+    _, spans = client.match(namespace, tokens)
+    return {span.worker_id for span in spans}
+
+
+def test_a_cache_reset_leaves_the_index_and_routing_at_once(mesh):
+    tokens = prompt(100)
+    mesh.generate(tokens, NEW_TOKENS, tenant="reset", worker="w2")
+    mesh.flush()
+    with front_door_client(mesh) as client:
+        assert holders(client, mesh, tokens, "reset") == {"w2"}
+        namespace = Namespace(mesh.config.model.name, "", mesh.salt("reset"))
+        loads = {"w0": 0.0, "w1": 0.0, "w2": 0.0}
+        assert client.route(namespace, tokens, loads).worker_id == "w2"  # it holds them
+        assert ray.get(mesh.workers["w2"].clear_cache.remote()) > 0
+        mesh.flush()
+        assert holders(client, mesh, tokens, "reset") == set()
+        decision = client.route(namespace, tokens, loads)
+        assert (decision.worker_id, decision.reason) == ("w0", "least_loaded")
+        pages = client.stats()["workers"]["w2"]["pages"]
+        assert pages == 0  # AllCleared: every holding dropped at once
+
+
+def test_a_killed_copy_source_costs_no_request(mesh):
+    prompts = [prompt(i) for i in range(8)]
+    for tokens in prompts:
+        mesh.generate(tokens, NEW_TOKENS, tenant="kill", worker="w0")
+    mesh.flush()
+    requests = [(tokens + [200 + k], k % 3) for k in range(4) for tokens in prompts]
+    # What a mesh without any cache answers: the outputs every request must equal.
+    reference = {
+        i: mesh.generate(t, NEW_TOKENS, tenant="kill-ref", worker="w2", reuse=False).token_ids
+        for i, (t, _) in enumerate(requests)
+    }
+    _, w0_pid = ray.get(mesh.workers["w0"].process.remote())
+
+    answers: dict[int, list[int]] = {}
+    failures: list[BaseException] = []
+    started = threading.Barrier(4)
+
+    def client(lane: int) -> None:
+        started.wait()
+        for i, (tokens, which) in enumerate(requests):
+            if which != lane:
+                continue
+            try:
+                # Routed: the mesh picks w0 (it holds the prompts) until it is dead.
+                answers[i] = mesh.generate(tokens, NEW_TOKENS, tenant="kill").token_ids
+            except BaseException as exc:  # every request must succeed
+                failures.append(exc)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=client, args=(lane,)) for lane in range(3)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(0.3)  # some requests done, others in flight
+    os.kill(w0_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures
+    assert answers == reference  # no request failed, none served wrong KV
+
+    # Ray reported the death; the front door routes around w0 and told the service.
+    detected = wait_until(lambda: "w0" not in mesh.live_workers(), 10, "w0 seen dead")
+    assert detected < 5, "the death was seen only when liveness expired"
+    with front_door_client(mesh) as client:
+        service = client.stats()
+        assert "w0" not in {w for w, f in service["workers"].items() if f["live"]}
+        assert service["workers_live"] == 2
+        for tokens in prompts:
+            # Nothing is served from it afterwards: no match names it.
+            assert "w0" not in holders(client, mesh, tokens + [1], "kill")
+    assert time.monotonic() - killed_at < 30
+    stats = mesh.stats()
+    assert stats["workers"]["w0"]["alive"] is False
+    assert stats["workers"]["w1"]["alive"] and stats["workers"]["w2"]["alive"]
+    # A request forced onto the dead worker says so; routed ones keep working.
+    with pytest.raises(cluster.MeshError, match="w0"):
+        mesh.generate(prompts[0], NEW_TOKENS, tenant="kill", worker="w0")
+    again = mesh.generate(prompts[0] + [9], NEW_TOKENS, tenant="kill")
+    assert again.stats["worker"] in ("w1", "w2")
+    mesh.check_integrity()  # the dead worker is skipped, the live ones are whole
