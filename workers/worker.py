@@ -325,6 +325,7 @@ class Worker:
             "pages_served": self.page_server.pages_sent,
             "copies_refused": self.copies_refused,
             "page_server": self.page_server.health(),
+            "attached": sorted(self._attached),  # peers' stores mapped here, by name
         }
 
     def _housekeeping(self) -> None:

@@ -92,8 +92,10 @@ def test_a_killed_copy_source_costs_no_request(mesh):
         for i, (t, _) in enumerate(requests)
     }
     _, w0_pid = ray.get(mesh.workers["w0"].process.remote())
+    w0_store = ray.get(mesh.workers["w0"].info.remote())["shm_name"]
 
     answers: dict[int, list[int]] = {}
+    copied: list[int] = []
     failures: list[BaseException] = []
     started = threading.Barrier(4)
 
@@ -102,9 +104,13 @@ def test_a_killed_copy_source_costs_no_request(mesh):
         for i, (tokens, which) in enumerate(requests):
             if which != lane:
                 continue
+            # Lane 0 is routed: the mesh picks w0 (it holds the prompts) until it is dead.
+            # Lanes 1 and 2 run on w1 and w2, which copy the prompts out of w0's store.
+            worker = None if lane == 0 else f"w{lane}"
             try:
-                # Routed: the mesh picks w0 (it holds the prompts) until it is dead.
-                answers[i] = mesh.generate(tokens, NEW_TOKENS, tenant="kill").token_ids
+                result = mesh.generate(tokens, NEW_TOKENS, tenant="kill", worker=worker)
+                answers[i] = result.token_ids
+                copied.append(result.stats["remote_hit_tokens"])
             except BaseException as exc:  # every request must succeed
                 failures.append(exc)
             time.sleep(0.02)
@@ -120,6 +126,7 @@ def test_a_killed_copy_source_costs_no_request(mesh):
         thread.join(120)
     assert not failures, failures
     assert answers == reference  # no request failed, none served wrong KV
+    assert max(copied) > 0  # the others did copy from w0
 
     # Ray reported the death; the front door routes around w0 and told the service.
     detected = wait_until(lambda: "w0" not in mesh.live_workers(), 10, "w0 seen dead")
@@ -135,6 +142,12 @@ def test_a_killed_copy_source_costs_no_request(mesh):
     stats = mesh.stats()
     assert stats["workers"]["w0"]["alive"] is False
     assert stats["workers"]["w1"]["alive"] and stats["workers"]["w2"]["alive"]
+    # The peers that copied out of w0's store no longer map it; w0's node (this one)
+    # unlinked it: its memory is back.
+    dead_store = w0_store
+    for worker_id in ("w1", "w2"):
+        assert dead_store not in stats["workers"][worker_id]["attached"]
+    wait_until(lambda: dead_store not in os.listdir("/dev/shm"), 10, "w0's store unlinked")
     # A request forced onto the dead worker says so; routed ones keep working.
     with pytest.raises(cluster.MeshError, match="w0"):
         mesh.generate(prompts[0], NEW_TOKENS, tenant="kill", worker="w0")
