@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "lookup": "index lookups over ZMQ against a bare msgpack echo server",
     "copy": "page copies between workers against plain copies of the same bytes",
     "ttft": "time to first token with the real model: cold, local hit, remote hit",
+    "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
 }
 
 
