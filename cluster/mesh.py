@@ -166,6 +166,10 @@ class Mesh:
             retries=0,
             client_keys=front_door,
             backoff_s=SERVICE_BACKOFF_S,
+            probe=False,  # the watchdog probes, off the request path
+        )
+        self._prober = ServiceClient(
+            ray_resolver(), timeout_s=1.0, retries=0, client_keys=front_door
         )
         self._named: set[str] = set()  # tenants whose names the service has
         self._inflight = dict.fromkeys(workers, 0)
@@ -485,6 +489,7 @@ class Mesh:
         self._closed = True
         self._stop_watchdog()
         self._client.close()
+        self._prober.close()
         if self._started_ray:
             ray.shutdown()
 
@@ -504,6 +509,7 @@ class Mesh:
         for handle in self.workers.values():
             ray.kill(handle, no_restart=True)
         self._client.close()
+        self._prober.close()
         stop_service()
         group = self._group or placement.find_group()
         if group is not None:
@@ -557,10 +563,24 @@ class Mesh:
                             del pings[worker_id]
                             self._answered(worker_id, ping)
                 self._check_revived()
+                self._probe_service()
             except Exception as exc:  # the watchdog must outlive whatever one round hit
                 if self._watchdog_stop.is_set():
                     return
                 print(f"kvmesh: worker watchdog round failed: {exc!r}", file=sys.stderr)
+
+    def _probe_service(self) -> None:
+        """While routing skips the service (it did not answer), ask it here, off the
+        request path, whether it is back; when it answers, routing asks it again."""
+        if not self._client.circuit_open:
+            return
+        try:
+            self._prober.route(Namespace("", "", ""), b"", {})
+        except ServiceUnavailable:
+            return
+        except ServiceError:
+            pass  # an answer all the same
+        self._client.reconnect()
 
     def _answered(self, worker_id: str, ping: Any) -> None:
         try:

@@ -119,6 +119,10 @@ class ServiceClient:
             None: 8 x backoff_s.
         clock: seconds, monotonic; the breaker's time (tests move their own). The tries'
             own timeouts run on the real clock.
+        probe: whether a call probes the service once the backoff has passed. False (for
+            clients on a request path): calls are skipped until `reconnect()`, which the
+            owner calls when something off the request path (a heartbeat) has seen the
+            service answer; a request then never waits on a probe.
 
     Raises:
         ValueError: timeout_s <= 0, retries < 0, backoff_s < 0 or not finite, or
@@ -135,6 +139,7 @@ class ServiceClient:
         backoff_s: float = 0.0,
         max_backoff_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        probe: bool = True,
     ):
         if timeout_s <= 0 or retries < 0:
             raise ValueError(f"timeout_s must be > 0 and retries >= 0: {timeout_s}, {retries}")
@@ -161,6 +166,7 @@ class ServiceClient:
         # across a network wait, so a skipped call does not queue behind a probe in flight.
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.probe = probe
         self._clock = clock
         self._breaker_lock = threading.Lock()
         self._open_until: float | None = None
@@ -178,7 +184,7 @@ class ServiceClient:
         """Whether a call made now would be skipped (False once a probe is due)."""
         with self._breaker_lock:
             return self._open_until is not None and (
-                self._probing or self._clock() < self._open_until
+                self._probing or not self.probe or self._clock() < self._open_until
             )
 
     @property
@@ -311,9 +317,14 @@ class ServiceClient:
             if self._open_until is None:
                 return False
             remaining = self._open_until - self._clock()
-            if remaining > 0 or self._probing:
+            if remaining > 0 or self._probing or not self.probe:
                 self._skipped += 1
-                when = f"for {remaining:.3g}s more" if remaining > 0 else "while a probe runs"
+                if not self.probe:
+                    when = "until it is seen answering again"
+                elif remaining > 0:
+                    when = f"for {remaining:.3g}s more"
+                else:
+                    when = "while a probe runs"
                 raise ServiceSkipped(
                     f"service skipped {when} after no reply from {self._outage}",
                     max(remaining, 0.0),

@@ -77,6 +77,7 @@ class EventPublisher:
         self.resyncs = 0
         self.batches = 0
         self._needs_sync = True  # nothing registered yet
+        self.up = False  # the last heartbeat got an answer
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by nudge(): events are waiting
@@ -107,13 +108,14 @@ class EventPublisher:
 
     def heartbeat(self) -> bool:
         """Tell the service this worker is alive, with its load and figures; resync if the
-        service restarted."""
+        service restarted. Sets `up`: whether the service answered."""
         load, report = self._load(), self._report()
         with self._lock:
             try:
                 epoch = self.client.heartbeat(self.worker_id, self.epoch, load, report)
             except ServiceUnavailable:
                 self._needs_sync = True
+                self.up = False
                 return False
             except ServiceError as exc:
                 if exc.code != "unknown_worker":
@@ -122,7 +124,8 @@ class EventPublisher:
             if epoch != self.service_epoch:
                 log.info("worker %s: service epoch changed, resyncing", self.worker_id)
                 self._needs_sync = True
-        return self.sync()
+        self.up = self.sync()
+        return self.up
 
     def start(self, interval_s: float = 0.5, tick: Callable[[], None] | None = None) -> None:
         """Sync and heartbeat every `interval_s` from a daemon thread; `tick` (the worker's

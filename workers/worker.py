@@ -146,7 +146,12 @@ class Worker:
         # On the request path: one short try, then skip the service for a while (a
         # request on a worker whose service is down runs on its local cache at once).
         self.client = ServiceClient(
-            endpoint, timeout_s=1.0, retries=0, client_keys=keys, backoff_s=SERVICE_BACKOFF_S
+            endpoint,
+            timeout_s=1.0,
+            retries=0,
+            client_keys=keys,
+            backoff_s=SERVICE_BACKOFF_S,
+            probe=False,  # the publisher's heartbeats see the service come back
         )
         self.active = 0
         # Prompt tokens by source and tenant, copies, TTFT: sent with every heartbeat.
@@ -329,9 +334,12 @@ class Worker:
         }
 
     def _housekeeping(self) -> None:
-        """Each publisher round: keep the page server up, and unlink the segments of dead
-        workers on this node (theirs to unlink, but a killed process cannot)."""
+        """Each publisher round: keep the page server up, let requests ask the service
+        again once the heartbeat reached it, and unlink the segments of dead workers on
+        this node (theirs to unlink, but a killed process cannot)."""
         self.page_server.ensure_running()
+        if self.publisher.up and self.client.circuit_open:
+            self.client.reconnect()  # the heartbeat got through: requests may ask again
         for name in reclaim_dead_segments():
             log.info("worker %s reclaimed the segment %s of a dead worker", self.worker_id, name)
 

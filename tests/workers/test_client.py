@@ -317,3 +317,26 @@ def test_while_a_probe_is_in_flight_the_other_callers_are_skipped_at_once(rig):
     assert not prober.is_alive()
     assert len(probe_outcome) == 1 and not isinstance(probe_outcome[0], ServiceSkipped)
     assert (client.probes, client.skipped, client.current_backoff_s) == (1, 1, 2.0)
+
+
+def test_without_probes_calls_are_skipped_until_the_owner_reconnects(rig):
+    """A request-path client never probes: something off the request path (the worker's
+    heartbeat, the front door's watchdog) sees the service answer and reconnects it."""
+    server = rig.server()
+    port = _port(server)
+    clock = FakeClock()
+    client = rig.client(server.address, backoff_s=1.0, retries=0, clock=clock, probe=False)
+    client.stats()
+    server.stop()
+    with pytest.raises(ServiceUnavailable) as info:
+        client.stats()
+    assert not isinstance(info.value, ServiceSkipped)
+    clock.advance(60.0)  # long past any backoff: still no probe from a request
+    with pytest.raises(ServiceSkipped, match="until it is seen answering again"):
+        client.stats()
+    assert client.circuit_open and client.probes == 0 and client.reconnects == 1
+    rig.server(port=port)
+    assert client.circuit_open  # the service is back, but no request found out by waiting
+    client.reconnect()
+    assert not client.circuit_open
+    assert client.stats()["pages"] == 0
