@@ -104,7 +104,8 @@ def test_vanished_peer_pages_are_recomputed(trio):
     a, b, _ = trio
     a.generate(PREFIX + [1], 4)
     assert a.flush()
-    a.cache.clear()  # a evicts everything; its events have not reached the service yet
+    a.publisher.stop(bye=False)  # from here on a's events never reach the service
+    a.cache.clear()  # a evicts everything; the index still says a holds the prefix
     prompt = PREFIX + [2]
     out = b.generate(prompt, 4, return_logits=True)
     assert out["stats"]["remote_hit_tokens"] == 0  # every copied page failed validation
