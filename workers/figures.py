@@ -82,6 +82,17 @@ class WorkerFigures:
         with self._lock:
             return sum(row[0] for row in self._tenants.values())
 
+    def check_integrity(self) -> None:
+        """Counts are never negative and the salts stay within the report's bound."""
+        with self._lock:
+            assert len(self._tenants) <= MAX_REPORT_TENANTS, len(self._tenants)
+            for salt, row in self._tenants.items():
+                assert len(row) == 4 and min(row) >= 0, (salt, row)
+            assert min(self.copy_bytes.values()) >= 0, self.copy_bytes
+            for histogram in (self._copy_seconds, *self._ttft.values()):
+                counts = histogram.counts()
+                assert min(counts.counts) >= 0 and counts.total >= 0, counts
+
     def report(self, cache_stats: Mapping[str, Any]) -> WorkerReport:
         """The report for the service, with the page counts of `cache_stats` (the prefix
         cache's `stats()`)."""

@@ -345,6 +345,7 @@ class Worker:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+        self.figures.check_integrity()
         self.store.check_integrity()
         self.page_server.check_integrity()
 

@@ -42,6 +42,7 @@ def test_a_request_is_counted_once_by_tenant_and_source():
     assert report.ttft_hit.counts[TTFT_BUCKETS.index(0.05)] == 1
     assert report.ttft_miss.counts[TTFT_BUCKETS.index(1.0)] == 1
     assert sum(report.ttft_hit.counts) == sum(report.ttft_miss.counts) == 1
+    figures.check_integrity()
 
 
 def test_salts_beyond_the_report_limit_are_summed_apart():
@@ -53,3 +54,4 @@ def test_salts_beyond_the_report_limit_are_summed_apart():
     (overflow,) = [row for row in report.tenants if row.salt == OVERFLOW_SALT]
     assert overflow == TenantTokens(OVERFLOW_SALT, 6, 0, 0, 6)
     assert sum(row.requests for row in report.tenants) == MAX_REPORT_TENANTS + 5
+    figures.check_integrity()
