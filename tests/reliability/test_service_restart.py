@@ -12,11 +12,10 @@ import threading
 import time
 
 import pytest
-import ray
 
 import cluster
-from cache_service.actor import get_service
 from cluster.config import config_from_dict
+from tests.service_restart import restart_service
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +78,7 @@ def test_a_service_restart_under_load_fails_no_request(mesh):
     for thread in threads:
         thread.start()
     time.sleep(0.5)
-    before = ray.get(get_service().endpoint.remote())
-    ray.kill(get_service(), no_restart=False)  # Ray restarts it with the same arguments
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            after = ray.get(get_service().endpoint.remote(), timeout=5)
-            if after["epoch"] != before["epoch"]:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < deadline, "the service did not come back"
-        time.sleep(0.2)
+    before, after = restart_service()
     during = len(served)
     # The workers find the new incarnation, register again and resync their holdings.
     deadline = time.monotonic() + 30

@@ -15,6 +15,7 @@ import ray
 import cluster
 from cache_service.actor import get_service
 from cluster.config import config_from_dict
+from tests.service_restart import restart_service
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
 from workers.page_store import SharedPageStore
 from workers.transfer import PageClient
@@ -76,19 +77,8 @@ def test_page_servers_refuse_clients_outside_the_mesh(mesh):
 
 
 def test_keys_and_tenant_salts_survive_a_service_restart(mesh):
-    before = ray.get(get_service().endpoint.remote())
     salt = mesh.salt("a")
-    ray.kill(get_service(), no_restart=False)  # Ray restarts it with the same arguments
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            after = ray.get(get_service().endpoint.remote(), timeout=5)
-            if after["epoch"] != before["epoch"]:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < deadline, "the service did not come back"
-        time.sleep(0.2)
+    before, after = restart_service()
     assert after["server_key"] == before["server_key"]
     assert ray.get(get_service().tenant_salt.remote("a")) == salt
     # The workers find the new incarnation with their own keys and resync; reuse goes on.
