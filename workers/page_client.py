@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from workers.digests import DIGEST_BYTES, EMPTY_DIGEST
 from workers.page_store import SharedPageStore
@@ -22,6 +23,7 @@ from workers.page_wire import (
     PAGE_MAGIC,
     PAGE_PREFIX,
     TRANSFER_VERSION,
+    PeerGone,
     Refused,
     ReplyTimeout,
     TransferAuth,
@@ -40,7 +42,9 @@ class PageClient:
 
     A timeout, a garbled reply or a peer that is gone makes every page of that request
     invalid (a miss); the socket is then replaced so nothing stale lingers. Replies are
-    matched by request id: messages left from an earlier request are skipped.
+    matched by request id: messages left from an earlier request are skipped. A broken
+    connection ends the wait at once (a monitor on the socket reports it), so a holder
+    that dies in the middle of a reply costs its copiers a miss, not `timeout_s`.
 
     Args:
         address: the page server's address.
@@ -70,6 +74,7 @@ class PageClient:
         self.stale = 0  # messages of earlier requests skipped
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # the socket's connection events
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -120,6 +125,7 @@ class PageClient:
 
     def _fetch(self, page_ids, generations, dst, dst_pages, digests) -> list[bool]:
         socket = self._connect()
+        self._drain_events()  # a connection that broke between requests has been redialled
         request_id = self._send_request(socket, page_ids, generations)
         deadline = time.monotonic() + self.timeout_s
         n, page_bytes = len(page_ids), dst.layout.page_bytes
@@ -203,14 +209,38 @@ class PageClient:
                 raise ReplyTimeout(f"no reply within {self.timeout_s}s")
 
     def _recv_frame(self, socket: zmq.Socket, deadline: float) -> bytes:
-        try:
-            return socket.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not socket.poll(max(1, int(remaining * 1000))):
-            raise ReplyTimeout(f"no reply within {self.timeout_s}s")
-        return socket.recv(zmq.NOBLOCK)
+        """The next frame; what already arrived is read before a broken connection counts.
+
+        Raises:
+            ReplyTimeout: nothing by the deadline.
+            PeerGone: the connection broke while the reply was due.
+        """
+        poller = None
+        while True:
+            try:
+                return socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            if poller is None:  # only when the reply is not there yet
+                poller = zmq.Poller()
+                poller.register(socket, zmq.POLLIN)
+                poller.register(self._monitor, zmq.POLLIN)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplyTimeout(f"no reply within {self.timeout_s}s")
+            ready = dict(poller.poll(max(1, int(remaining * 1000))))
+            if socket not in ready and self._monitor in ready and self._drain_events():
+                raise PeerGone(f"the connection to {self.address} broke during a reply")
+
+    def _drain_events(self) -> bool:
+        """Read the monitor's pending events; whether one says the connection broke."""
+        broke = False
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return broke
+            broke |= event["event"] == zmq.EVENT_DISCONNECTED
 
     @staticmethod
     def _discard_rest(socket: zmq.Socket) -> None:
@@ -226,14 +256,18 @@ class PageClient:
                 socket.curve_secretkey = self.auth.keypair.secret
                 socket.curve_publickey = self.auth.keypair.public
                 socket.curve_serverkey = self.server_key
+            # Before connect, so that no event of this connection is missed.
+            self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             socket.connect(self.address)
             self._socket = socket
         return self._socket
 
     def _reset(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
             self._socket.close(linger=0)
-            self._socket = None
+            self._socket = self._monitor = None
 
     def close(self) -> None:
         with self._lock:

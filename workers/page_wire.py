@@ -72,6 +72,11 @@ class ReplyTimeout(TransferError):
     """No reply in time."""
 
 
+class PeerGone(TransferError):
+    """The connection to the server broke while a reply was due (its process died, or its
+    host went away): what arrived of the reply is never used."""
+
+
 class TransferAuth(NamedTuple):
     """Who a worker is to the page servers of its mesh, and how pages travel.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.config import load_config
 from tests.conftest import kvmesh_segments
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MULTINODE = ROOT / "configs" / "multinode.yaml"
 BIN = Path(sys.executable).parent
 RAY_PORT = 6379
+LIVENESS_S = 3.0  # the cut test's service liveness timeout
 # Run inside host A: attach, compute a prompt on A's worker, copy it into B's worker.
 REQUESTS = """\
 import json, sys
@@ -79,6 +82,13 @@ class Host:
             cwd=ROOT,
         )  # fmt: skip
 
+    def link(self, state: str) -> None:
+        """Take this host's end of the veth pair "down" or "up" (a cut cable, mended)."""
+        subprocess.run(
+            ["ip", "-n", self.namespace, "link", "set", f"{self.namespace}0", state],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
     def listeners(self) -> list[str]:
         """Local addresses of the TCP sockets listening in this namespace (`ss -ltn`)."""
         out = subprocess.run(
@@ -100,6 +110,9 @@ class TwoHosts:
             **os.environ,
             "KVMESH_STATE_DIR": str(tmp / "state"),
             "RAY_AUTH_MODE": "token",
+            # A cut of a few seconds must not make Ray declare B's node dead (it would end
+            # B's worker); kvmesh's own liveness timeout is what the cut test crosses.
+            "RAY_health_check_failure_threshold": "60",
         }
         # Short: Ray's socket paths live under it and must stay under 108 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="kvmesh-2h-"))
@@ -183,16 +196,23 @@ class TwoHosts:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    two = TwoHosts(tmp_path)
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Both hosts and their Ray nodes, for the module's tests; each test ups its own mesh."""
+    two = TwoHosts(tmp_path_factory.mktemp("two-hosts"))
     try:
         two.start()
         yield two
     finally:
-        if (tmp_path / "state" / "mesh.json").exists():  # a failed test: stop the mesh
-            two.a.run(str(BIN / "kvmesh"), "down", env=two.env)
         two.stop()
+
+
+@pytest.fixture
+def mesh_down(hosts):
+    """Stops a mesh that a failed test left up."""
+    yield
+    if (Path(hosts.env["KVMESH_STATE_DIR"]) / "mesh.json").exists():
+        hosts.a.run(str(BIN / "kvmesh"), "down", env=hosts.env)
 
 
 def split(address: str) -> tuple[str, str]:
@@ -207,7 +227,7 @@ def kvmesh_sockets(status: dict) -> set[tuple[str, str]]:
     return {split(a) for a in [status["service_address"], *(w["address"] for w in workers)]}
 
 
-def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts):
+def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts, mesh_down):
     kvmesh = str(BIN / "kvmesh")
     up = hosts.a.run(
         kvmesh, "up", "--config", str(MULTINODE), "--address", hosts.ray_address,
@@ -273,4 +293,153 @@ def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts):
     assert actors.stdout.strip().splitlines()[-1] == "[]"
     for host in (hosts.a, hosts.b):  # the mesh's sockets are closed
         assert not {split(listener) for listener in host.listeners()} & ours
+    assert not kvmesh_segments()
+
+
+# The cut test's driver, inside host A: one process for the whole test (attaching while the
+# link is down would wait on B), answering one JSON line per command read from stdin.
+CUT_DRIVER = """\
+import json, sys, time
+import cluster
+from cache_service.events import Namespace
+from workers.client import ServiceClient, ray_resolver
+
+mesh = cluster.connect(address=sys.argv[1])
+on = {node["address"]: node["workers"] for node in mesh.stats()["nodes"].values()}
+a, b = on[sys.argv[2]][0], on[sys.argv[3]][0]
+service = ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh._keys.front_door)
+prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(70)] for i in range(3)]  # 4 pages + 6
+reference = [mesh.generate(p, 4, tenant="cut", worker=a, reuse=False).token_ids for p in prompts]
+
+def holding(worker):
+    return service.stats()["workers"].get(worker, {"live": False, "pages": 0})
+
+def wait(predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+def answer(**fields):
+    print(json.dumps(fields), flush=True)
+
+for command in sys.stdin:
+    command = command.strip()
+    if command == "fill":  # B computes every prompt; the index names B for them
+        for p in prompts:
+            mesh.generate(p, 4, tenant="cut", worker=b)
+        mesh.flush()
+        cached = mesh.stats()["workers"][b]["cache"]["cached_pages"]
+        answer(a=a, b=b, b_index=holding(b), b_cached=cached)
+    elif command == "cut":  # the link is down: B's holdings expire; A serves alone
+        expired = wait(lambda: not holding(b)["live"], 30)
+        service_view = service.stats()
+        started = time.monotonic()
+        routed = mesh.generate(prompts[0], 4, tenant="cut")
+        answer(expired=expired, b_index=holding(b), removed=service_view["removed_workers"],
+               routed=routed.stats, routed_ok=routed.token_ids == reference[0],
+               routed_s=time.monotonic() - started, live=mesh.live_workers())
+    elif command == "healed":  # the link is up again: B registers anew and resyncs
+        back = wait(lambda: holding(b)["live"] and holding(b)["pages"] > 0, 90)
+        mesh.flush()
+        b_stats = mesh.stats()["workers"][b]
+        copied = mesh.generate(prompts[1], 4, tenant="cut", worker=a)
+        answer(back=back, b_index=holding(b), b_cached=b_stats["cache"]["cached_pages"],
+               b_resyncs=b_stats["publisher"]["resyncs"], copied=copied.stats,
+               copied_ok=copied.token_ids == reference[1], live=mesh.live_workers())
+    elif command == "quit":
+        mesh.check_integrity()
+        answer(ok=True)
+        break
+service.close()
+mesh.shutdown()
+"""
+
+
+class Driver:
+    """A Python process in a host, spoken to one line at a time."""
+
+    def __init__(self, host: Host, script: Path, *argv: str, env):
+        self.process = subprocess.Popen(
+            host.command(str(sys.executable), str(script), *argv), env=env, cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def ask(self, command: str, timeout_s: float = 180) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            self.process.kill()
+            raise AssertionError(f"the driver gave no answer to {command!r}: {self.stderr()}")
+        return json.loads(line)
+
+    def stderr(self) -> str:
+        self.process.kill()
+        return self.process.communicate(timeout=30)[1][-3000:]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, mesh_down):
+    """The veth link goes down for longer than the liveness timeout: the service drops the
+    cut-off worker's holdings and routes around it; once the link is up, the worker registers
+    again, resyncs, and its pages are copied (checked) as before."""
+    kvmesh = str(BIN / "kvmesh")
+    config = hosts.logs / "cut.yaml"
+    cfg = yaml.safe_load(MULTINODE.read_text())
+    cfg["model"] = {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    cfg["store"]["num_pages"] = 128
+    cfg["service"]["liveness_timeout_s"] = LIVENESS_S
+    config.write_text(yaml.safe_dump(cfg))
+    up = hosts.a.run(
+        kvmesh, "up", "--config", str(config), "--address", hosts.ray_address,
+        "--min-nodes", "2", env=hosts.env,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr[-3000:]
+    script = hosts.logs / "cut_driver.py"
+    script.write_text(CUT_DRIVER)
+    driver = Driver(hosts.a, script, hosts.ray_address, hosts.a.address, hosts.b.address,
+                    env=hosts.env)  # fmt: skip
+    try:
+        filled = driver.ask("fill")
+        assert filled["b_index"]["live"] and filled["b_index"]["pages"] == filled["b_cached"] > 0
+
+        hosts.a.link("down")
+        cut_at = time.monotonic()
+        try:
+            cut = driver.ask("cut")
+            # Down for twice the liveness timeout at least, as a real outage would be.
+            time.sleep(max(0.0, cut_at + 2 * LIVENESS_S - time.monotonic()))
+        finally:
+            hosts.a.link("up")
+        assert cut["expired"], "the service never dropped the cut-off worker"
+        assert cut["b_index"] == {**cut["b_index"], "live": False, "pages": 0}
+        assert cut["removed"].get("expired", 0) >= 1
+        # Routed while B is unreachable: to A, recomputed (nothing copied from B), correct.
+        assert cut["routed"]["worker"] == filled["a"] and cut["routed_ok"]
+        assert cut["routed"]["remote_hit_tokens"] == 0
+        assert sorted(cut["live"]) == sorted([filled["a"], filled["b"]])  # cut off, not dead
+
+        healed = driver.ask("healed")
+        print(f"\nduring the cut: {json.dumps(cut)}\nafter healing: {json.dumps(healed)}")
+        assert healed["back"], "the worker did not register again after the link came up"
+        # The index holds what B holds now, by a resync, not by remembering the cut-off past.
+        assert healed["b_index"]["live"] and healed["b_index"]["pages"] == healed["b_cached"]
+        assert healed["b_resyncs"] >= 2  # the first registration's and the one after the cut
+        page_tokens = cfg["cache"]["page_tokens"]
+        full_pages = (len(range(70)) - 1) // page_tokens
+        assert healed["copied"]["remote_hit_tokens"] == full_pages * page_tokens
+        assert healed["copied_ok"]  # copied pages checked (generation, digest), output exact
+        assert driver.ask("quit") == {"ok": True}
+    finally:
+        driver.close()
+    down = hosts.a.run(kvmesh, "down", env=hosts.env)
+    assert down.returncode == 0, down.stderr[-3000:]
     assert not kvmesh_segments()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import msgpack
@@ -303,6 +304,37 @@ def test_silent_peer_is_a_miss(stores):
     client = PageClient(address, timeout_s=0.2)
     dst = requester.allocate(2)
     assert client.fetch(pages[:2], holder.generations(pages[:2]), requester, dst) == [False] * 2
+    client.close()
+
+
+def test_a_connection_that_breaks_during_the_reply_is_a_miss_at_once(stores):
+    holder, requester, pages = stores
+    # A server that sends the header and the first page of its reply, then dies.
+    dying = zmq.Context.instance().socket(zmq.ROUTER)
+    dying.linger = 0
+    port = dying.bind_to_random_port("tcp://127.0.0.1")
+    client = PageClient(f"tcp://127.0.0.1:{port}", timeout_s=30.0)
+    dst = requester.allocate(3)
+    outcome = []
+    fetching = threading.Thread(
+        target=lambda: outcome.append(
+            client.fetch(pages[:3], holder.generations(pages[:3]), requester, dst)
+        )
+    )
+    started = time.monotonic()
+    fetching.start()
+    identity, request = dying.recv_multipart()
+    request_id = decode_request(request).request_id
+    prefix = page_wire.PAGE_PREFIX.pack(page_wire.PAGE_MAGIC, TRANSFER_VERSION, request_id, 0)
+    header = page_wire.pack_map(id=request_id, n=3, page_bytes=LAYOUT.page_bytes)
+    dying.send_multipart([identity, header])
+    dying.send_multipart([identity, prefix, holder.page(pages[0]).numpy().tobytes()])
+    time.sleep(0.2)  # both delivered
+    dying.close(linger=0)
+    fetching.join(20)
+    # Not the 30 s timeout: the broken connection ended the wait; nothing of it is valid.
+    assert outcome == [[False] * 3]
+    assert time.monotonic() - started < 15
     client.close()
 
 
