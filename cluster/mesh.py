@@ -13,10 +13,9 @@ worker; a client only ever names its tenant. Different tenants therefore never s
 pages, even for byte-identical prompts. The front door tells the service each tenant's
 name, so the statistics show names, never salts.
 
-Dead workers: Ray tells the front door at once when a worker's actor is gone (a call to
-it raises `RayActorError`: a request's, or the watchdog's ping every WATCH_INTERVAL_S).
-The front door then stops routing to it, reports it to the service (which drops its
-holdings from the index at once; liveness expiry is the backstop), tells the other
+Dead workers (`cluster.roster`): Ray tells the front door at once when a worker's actor
+is gone. The front door then stops routing to it, reports it to the service (which drops
+its holdings from the index at once; liveness expiry is the backstop), tells the other
 workers to forget it as a peer, and runs a request that was on it again on a live
 worker: a recompute, never an error for the user. `stats()` shows it as not alive. With
 `workers.max_restarts`, Ray restarts a dead worker with a fresh store; the watchdog takes
@@ -35,7 +34,6 @@ import dataclasses
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +54,7 @@ from cache_service.events import Namespace
 from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.errors import MeshError
+from cluster.roster import Roster
 from cluster.status import summarize
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
 from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
@@ -64,8 +63,6 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 SHUTDOWN_TIMEOUT_S = 60.0  # for every worker to unlink its store and stop serving
 EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
-REVIVAL_PROBE_S = 1.0  # how often a dead worker is asked whether Ray restarted it
-WATCH_INTERVAL_S = 0.5  # how often the front door checks that its workers are alive
 
 
 class GenerateResult(NamedTuple):
@@ -150,7 +147,8 @@ class Mesh:
         owned: bool,
     ):
         self.config = cfg
-        self.workers = workers
+        self.roster = Roster(workers, cfg.workers.max_restarts != 0, self._report_dead)
+        self.workers = workers  # worker id -> actor handle
         self._tokenizer = tokenizer
         self.owned = owned
         self._started_ray = started_ray
@@ -172,14 +170,6 @@ class Mesh:
             ray_resolver(), timeout_s=1.0, retries=0, client_keys=front_door
         )
         self._named: set[str] = set()  # tenants whose names the service has
-        self._inflight = dict.fromkeys(workers, 0)
-        self._dead: set[str] = set()  # workers whose actors Ray reported gone
-        self._probes: dict[str, Any] = {}  # dead worker -> its pending `info` call
-        self._next_probe = 0.0
-        self._watchdog: threading.Thread | None = None
-        self._watchdog_stop = threading.Event()
-        self._peer_infos: dict[str, dict[str, Any]] = {}  # how workers reach each other
-        self._lock = threading.Lock()
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it
         self._local_pids: list[int] = []  # the workers' processes on this node
@@ -238,12 +228,11 @@ class Mesh:
                         group, placement_group_bundle_index=i
                     ),
                 ).remote(settings)
-            mesh._inflight = dict.fromkeys(workers, 0)
             infos = _wait_ready(workers, log)
-            mesh._peer_infos = {info["worker_id"]: info for info in infos}
+            mesh.roster.met({info["worker_id"]: info for info in infos})
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
             mesh._local_pids = _local_pids(workers)
-            mesh._start_watchdog()
+            mesh.roster.start_watchdog(mesh._probe_service)
         except BaseException:
             mesh.stop()
             raise
@@ -299,9 +288,11 @@ class Mesh:
         mesh = cls(running, workers, None, started_ray, keys, owned=False)
         mesh._local_pids = _local_pids(workers)
         infos = _gather({wid: w.info.remote() for wid, w in workers.items()}, STATS_TIMEOUT_S)
-        mesh._peer_infos = {w: i for w, i in infos.items() if not isinstance(i, Exception)}
-        mesh._dead = {w for w, i in infos.items() if isinstance(i, ray.exceptions.RayActorError)}
-        mesh._start_watchdog()
+        mesh.roster.met(
+            {w: i for w, i in infos.items() if not isinstance(i, Exception)},
+            dead={w for w, i in infos.items() if isinstance(i, ray.exceptions.RayActorError)},
+        )
+        mesh.roster.start_watchdog(mesh._probe_service)
         return mesh
 
     @property
@@ -351,28 +342,23 @@ class Mesh:
         namespace = Namespace(self.config.model.name, "", salt)
         while True:
             chosen = worker or self._route(namespace, tokens)
-            if chosen in self._dead:
+            if self.roster.is_dead(chosen):
                 raise MeshError(f"worker {chosen!r} is dead")
             try:
                 out = self._run(chosen, tokens, max_new_tokens, salt, return_logits, reuse)
             except ray.exceptions.RayActorError as exc:
-                self._lost(chosen, exc)
+                self.roster.lost(chosen, exc)
                 if worker is not None:
                     raise MeshError(f"worker {chosen!r} died during the request: {exc}") from None
                 continue  # routed: run it again on a live worker
             return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
 
     def _run(self, worker: str, tokens, max_new_tokens, salt, return_logits, reuse) -> dict:
-        with self._lock:
-            self._inflight[worker] += 1
-        try:
+        with self.roster.running(worker):
             call = self.workers[worker].generate.remote(
                 tokens, max_new_tokens, salt, return_logits=return_logits, reuse=reuse
             )
             return ray.get(call)
-        finally:
-            with self._lock:
-                self._inflight[worker] -= 1
 
     def flush(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
         """Wait until every live worker's events are applied by the service (workers
@@ -386,7 +372,7 @@ class Mesh:
         failed = []
         for worker_id, answer in _gather(calls, timeout_s).items():
             if isinstance(answer, ray.exceptions.RayActorError):
-                self._lost(worker_id, answer)
+                self.roster.lost(worker_id, answer)
             elif answer is not True:
                 failed.append(f"{worker_id} ({answer or 'the service did not answer'})")
         if failed:
@@ -394,24 +380,13 @@ class Mesh:
 
     def live_workers(self) -> list[str]:
         """The workers not known to be dead, by id."""
-        with self._lock:
-            return [w for w in self.workers if w not in self._dead]
+        return self.roster.live()
 
-    def _lost(self, worker_id: str, reason: BaseException) -> None:
-        """Ray says `worker_id`'s actor is gone: route around it from now on, have the
-        service drop its holdings at once, and tell the other workers to forget it."""
-        with self._lock:
-            if worker_id in self._dead:
-                return
-            self._dead.add(worker_id)
-        print(
-            f"kvmesh: worker {worker_id} is gone ({type(reason).__name__}); routing around it",
-            file=sys.stderr,
-        )
-        # Without the service its pages leave the index when its liveness expires.
+    def _report_dead(self, worker_id: str) -> None:
+        """The service drops a dead worker's holdings at once; without the service they
+        leave the index when its liveness expires."""
         with contextlib.suppress(ServiceUnavailable, ServiceError):
             self._client.report_dead(worker_id)
-        self._tell_peers()
 
     def salt(self, tenant: str) -> str:
         """The namespace salt of a tenant (derived from the mesh secret, never taken from a
@@ -446,7 +421,7 @@ class Mesh:
         )
         for worker_id, answer in answers.items():
             if isinstance(answer, ray.exceptions.RayActorError):
-                self._lost(worker_id, answer)
+                self.roster.lost(worker_id, answer)
         workers = {
             worker_id: (
                 {"alive": False, "error": f"{type(answer).__name__}: {answer}"}
@@ -465,7 +440,7 @@ class Mesh:
         calls = {wid: w.check_integrity.remote() for wid, w in self.workers.items()}
         for worker_id, answer in _gather(calls, STATS_TIMEOUT_S).items():
             if isinstance(answer, ray.exceptions.RayActorError):
-                self._lost(worker_id, answer)
+                self.roster.lost(worker_id, answer)
             elif isinstance(answer, ray.exceptions.RayTaskError):
                 raise answer.as_instanceof_cause()
             elif isinstance(answer, Exception):
@@ -487,7 +462,7 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
-        self._stop_watchdog()
+        self.roster.stop_watchdog()
         self._client.close()
         self._prober.close()
         if self._started_ray:
@@ -501,7 +476,7 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
-        self._stop_watchdog()
+        self.roster.stop_watchdog()
         calls = {worker_id: w.shutdown.remote() for worker_id, w in self.workers.items()}
         for worker_id, answer in _gather(calls, SHUTDOWN_TIMEOUT_S).items():
             if isinstance(answer, Exception):
@@ -534,41 +509,6 @@ class Mesh:
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
-    def _start_watchdog(self) -> None:
-        self._watchdog = threading.Thread(target=self._watch, name="kvmesh-watchdog", daemon=True)
-        self._watchdog.start()
-
-    def _stop_watchdog(self) -> None:
-        self._watchdog_stop.set()
-        if self._watchdog is not None:
-            self._watchdog.join(10.0)
-            self._watchdog = None
-
-    def _watch(self) -> None:
-        """Ping every live worker every WATCH_INTERVAL_S. Ray answers a call to a dead
-        actor with RayActorError at once, so a death is seen within about that interval
-        even when no request goes to the dead worker (a busy worker only delays its
-        ping: slowness is never taken for death). Restarted workers are taken back."""
-        pings: dict[str, Any] = {}
-        while not self._watchdog_stop.wait(WATCH_INTERVAL_S):
-            try:
-                for worker_id in self.live_workers():
-                    if worker_id not in pings:
-                        pings[worker_id] = self.workers[worker_id].process.remote()
-                if pings:
-                    ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
-                    done = set(ready)
-                    for worker_id, ping in list(pings.items()):
-                        if ping in done:
-                            del pings[worker_id]
-                            self._answered(worker_id, ping)
-                self._check_revived()
-                self._probe_service()
-            except Exception as exc:  # the watchdog must outlive whatever one round hit
-                if self._watchdog_stop.is_set():
-                    return
-                print(f"kvmesh: worker watchdog round failed: {exc!r}", file=sys.stderr)
-
     def _probe_service(self) -> None:
         """While routing skips the service (it did not answer), ask it here, off the
         request path, whether it is back; when it answers, routing asks it again."""
@@ -582,49 +522,6 @@ class Mesh:
             pass  # an answer all the same
         self._client.reconnect()
 
-    def _answered(self, worker_id: str, ping: Any) -> None:
-        try:
-            ray.get(ping, timeout=0)
-        except ray.exceptions.RayActorError as exc:
-            self._lost(worker_id, exc)
-        except ray.exceptions.RayError:
-            pass  # not a death: asked again next round
-
-    def _check_revived(self) -> None:
-        """Take back dead workers that Ray restarted (`workers.max_restarts`): each is a new
-        incarnation with an empty store, and the others learn where its pages now are.
-        Probes at most every REVIVAL_PROBE_S, without waiting for an answer."""
-        if not self._dead or self.config.workers.max_restarts == 0:
-            return
-        now = time.monotonic()
-        if now < self._next_probe:
-            return
-        self._next_probe = now + REVIVAL_PROBE_S
-        for worker_id in sorted(self._dead):
-            probe = self._probes.get(worker_id)
-            if probe is None:
-                probe = self._probes[worker_id] = self.workers[worker_id].info.remote()
-            ready, _ = ray.wait([probe], timeout=0)
-            if not ready:
-                continue  # restarting: ask again later
-            del self._probes[worker_id]
-            try:
-                info = ray.get(probe)
-            except ray.exceptions.RayActorError:
-                continue  # dead for good, or died again before answering
-            with self._lock:
-                self._peer_infos[worker_id] = info
-                self._dead.discard(worker_id)
-            print(f"kvmesh: worker {worker_id} is back (restarted, empty)", file=sys.stderr)
-            self._tell_peers()
-
-    def _tell_peers(self) -> None:
-        """Every live worker gets the current list of its peers (not awaited)."""
-        live = self.live_workers()
-        peers = [self._peer_infos[w] for w in live if w in self._peer_infos]
-        for w in live:
-            self.workers[w].set_peers.remote(peers)
-
     def _route(self, namespace: Namespace, tokens: list[int]) -> str:
         """The live worker that should take the prompt (the service weighs what each holds
         against its load); without the service, the least loaded live worker.
@@ -632,12 +529,9 @@ class Mesh:
         Raises:
             MeshError: every worker is dead.
         """
-        with self._lock:
-            inflight = {w: n for w, n in self._inflight.items() if w not in self._dead}
-        if not inflight:
-            raise MeshError(f"no live worker left (dead: {', '.join(sorted(self._dead))})")
-        total = sum(inflight.values()) or 1
-        loads = {w: n / total for w, n in inflight.items()}
+        loads = self.roster.loads()
+        if not loads:
+            raise MeshError(f"no live worker left (dead: {', '.join(self.roster.dead())})")
         try:
             decision = self._client.route(namespace, tokens, loads)
             if decision.worker_id in loads:
