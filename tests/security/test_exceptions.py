@@ -28,7 +28,7 @@ from workers.page_store import (
     SegmentFormatError,
     SegmentNotFoundError,
 )
-from workers.page_wire import Refused, ReplyTimeout
+from workers.page_wire import PeerGone, Refused, ReplyTimeout
 from workers.transfer import TransferError
 from workers.worker import CacheFull
 
@@ -55,6 +55,7 @@ SAMPLES = [
     (TransferError("malformed request"), ()),
     (Refused("server refused: bad signature"), ()),
     (ReplyTimeout("no reply within 5.0s"), ()),
+    (PeerGone("the connection to tcp://10.0.0.2:5555 broke during a reply"), ()),
 ]
 
 
