@@ -14,6 +14,11 @@ with the same request frames:
 codec, and count replies for a fixed time. Each server runs in a process of its own.
 The phases alternate (echo, service, echo, service) so drift in the machine's load hits
 both alike; `ratio` is the service's request rate over the echo's.
+
+Both security settings run, each with its own pair of servers: as deployed (`ratio`):
+CurveZMQ on both servers, clients admitted by the mesh's ZAP handler, each client speaking
+with a worker's key and asking as that worker; and in plain text (`ratio_plain`). The
+request frames are the same bytes in both.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import msgpack
 import numpy as np
 import zmq
 
-from cache_service import protocol
+from cache_service import protocol, zap
+from cache_service.auth import MeshKeys
 from cache_service.events import Namespace, PagesStored
 from cache_service.index import GlobalIndex
+from cache_service.malloc import keep_large_blocks_mapped
 from cache_service.messages import Match
 from cache_service.server import ServerConfig, ServiceServer
 from cache_service.tokens import pack_tokens
@@ -89,12 +96,32 @@ def _stored(parent: int | None, ids: tuple[int, ...], tokens: np.ndarray) -> Pag
     return PagesStored(NAMESPACE, parent, ids, (1,) * len(ids), tuple(tokens.tolist()))
 
 
-def request_frames(prompts: np.ndarray) -> list[bytes]:
+def request_frames(prompts: np.ndarray, client: int = 0) -> list[bytes]:
+    """The frames client `client` cycles through: matches asked as worker w{client}."""
     frames = []
     for i in range(QUERIES):
-        body = Match(NAMESPACE, pack_tokens(prompts[(i * 37) % len(prompts)]), f"w{i % WORKERS}")
+        tokens = pack_tokens(prompts[(i * 37 + client) % len(prompts)])
+        body = Match(NAMESPACE, tokens, f"w{client % WORKERS}")
         frames.append(protocol.encode(protocol.request(i + 1, body)))
     return frames
+
+
+def _curve_server(socket: zmq.Socket, keys: MeshKeys, context: zmq.Context) -> str:
+    """Make `socket` a CURVE server that admits the mesh's keys, as the service does; the
+    ZAP domain, to close before the context ends."""
+    socket.curve_secretkey = keys.service.secret
+    socket.curve_publickey = keys.service.public
+    socket.curve_server = True
+    domain = zap.open_domain(keys.server_keys().clients.keys(), context)
+    socket.zap_domain = domain.encode()
+    return domain
+
+
+def _curve_client(socket: zmq.Socket, keys: MeshKeys, client: int) -> None:
+    pair = keys.workers[f"w{client % WORKERS}"]
+    socket.curve_secretkey = pair.secret
+    socket.curve_publickey = pair.public
+    socket.curve_serverkey = keys.service.public
 
 
 def _rss_bytes() -> int:
@@ -102,11 +129,19 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _service_process(conn, count: int) -> None:
+def index_rss(count: int) -> tuple[GlobalIndex, np.ndarray, int]:
+    """The index of `count` prompts built in this process as the service's process would
+    hold it: (index, prompts, RSS growth in bytes)."""
+    keep_large_blocks_mapped()  # as the service actor does before its index takes events
     prompts = make_prompt_tokens(count)
     before = _rss_bytes()
     index = build_index(prompts)
-    grown = _rss_bytes() - before
+    return index, prompts, _rss_bytes() - before
+
+
+def _service_process(conn, count: int, keys: dict | None) -> None:
+    mesh_keys = None if keys is None else MeshKeys.from_dict(keys)
+    index, prompts, grown = index_rss(count)
     packed = [pack_tokens(p) for p in prompts[:QUERIES]]
     start = time.perf_counter()
     rounds = 0
@@ -118,10 +153,14 @@ def _service_process(conn, count: int) -> None:
         rounds * len(packed) * (PROMPT_TOKENS // PAGE_TOKENS) / (time.perf_counter() - start)
     )
     pages = index.num_pages  # read now: once the server starts, its loop owns the index
-    server = ServiceServer(index, ServerConfig(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600))
+    server = ServiceServer(
+        index,
+        ServerConfig(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600),
+        None if mesh_keys is None else mesh_keys.server_keys(),
+    )
     address = server.start()
     # The echo's canned answer: what the service answers for a full hit, re-encoded plainly.
-    canned = msgpack.unpackb(_ask(address, request_frames(prompts)[0]), raw=False)
+    canned = msgpack.unpackb(_ask(address, request_frames(prompts)[0], mesh_keys), raw=False)
     conn.send(
         {
             "address": address,
@@ -138,11 +177,13 @@ def _service_process(conn, count: int) -> None:
     conn.send("stopped")
 
 
-def _ask(address: str, frame: bytes) -> bytes:
-    """One request's reply, over a socket of its own."""
+def _ask(address: str, frame: bytes, keys: MeshKeys | None) -> bytes:
+    """One request's reply, over a socket of its own (as client 0)."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.linger = 0
+    if keys is not None:
+        _curve_client(socket, keys, 0)
     socket.connect(address)
     try:
         socket.send(frame)
@@ -152,10 +193,11 @@ def _ask(address: str, frame: bytes) -> bytes:
         context.term()
 
 
-def _echo_process(conn, canned: dict[str, Any]) -> None:
+def _echo_process(conn, canned: dict[str, Any], keys: dict | None) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.linger = 0
+    domain = "" if keys is None else _curve_server(socket, MeshKeys.from_dict(keys), context)
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     conn.send(f"tcp://127.0.0.1:{port}")
     poller = zmq.Poller()
@@ -171,13 +213,17 @@ def _echo_process(conn, canned: dict[str, Any]) -> None:
                 canned["id"] = request["id"]
                 socket.send_multipart([identity, msgpack.packb(canned)])
     socket.close(linger=0)
+    if domain:
+        zap.close_domain(domain)
     context.term()
 
 
-def _client_process(address: str, frames: list[bytes], duration: float, start_at: float, out):
+def _client_process(address, frames, keys, client, duration: float, start_at: float, out):
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.linger = 0
+    if keys is not None:
+        _curve_client(socket, MeshKeys.from_dict(keys), client)
     socket.connect(address)
     latencies = []
     while time.time() < start_at:
@@ -195,12 +241,15 @@ def _client_process(address: str, frames: list[bytes], duration: float, start_at
     out.put(latencies)
 
 
-def _phase(address: str, frames: list[bytes], ctx, phase_s: float) -> list[float]:
+def _phase(address: str, frames, keys: dict | None, ctx, phase_s: float) -> list[float]:
     out = ctx.Queue()
     start_at = time.time() + 0.5  # all clients start together
     clients = [
-        ctx.Process(target=_client_process, args=(address, frames, phase_s, start_at, out))
-        for _ in range(CLIENTS)
+        ctx.Process(
+            target=_client_process,
+            args=(address, frames[c], keys, c, phase_s, start_at, out),
+        )
+        for c in range(CLIENTS)
     ]
     for client in clients:
         client.start()
@@ -227,29 +276,50 @@ def run(log=sys.stderr, prompts: int = PROMPTS, phase_s: float = PHASE_S) -> dic
     Args:
         log: where progress goes.
         prompts: cached prompts in the index (fewer for a quick check of the harness).
-        phase_s: seconds each of the four phases runs.
+        phase_s: seconds each of the phases runs (four per security setting).
     """
+    keys = MeshKeys.generate(f"w{w}" for w in range(WORKERS)).to_dict()
+    secure, info = _side_by_side(log, prompts, phase_s, keys)
+    plain, _ = _side_by_side(log, prompts, phase_s, None)
+    return {
+        "clients": CLIENTS,
+        "prompts": prompts,
+        "pages_indexed": info["pages"],
+        **secure,
+        **{f"{name}_plain": value for name, value in plain.items()},
+        "inprocess_pages_per_s": round(info["inprocess_pages_per_s"]),
+        "bytes_per_page": round(info["bytes_per_page"], 1),
+    }
+
+
+def _side_by_side(log, prompts: int, phase_s: float, keys: dict | None) -> tuple[dict, dict]:
+    """Echo and service phases, alternating, under one security setting: the figures and
+    what the service process reported."""
+    setting = "authenticated (CurveZMQ)" if keys else "plain"
     ctx = mp.get_context("spawn")
-    print(f"building an index of {prompts} prompts of {PROMPT_TOKENS} tokens...", file=log)
+    print(f"building an index of {prompts} prompts of {PROMPT_TOKENS} tokens ({setting})...",
+          file=log)  # fmt: skip
     service_conn, child = ctx.Pipe()
-    service = ctx.Process(target=_service_process, args=(child, prompts), name="service")
+    service = ctx.Process(target=_service_process, args=(child, prompts, keys), name="service")
     service.start()
     info = _receive(service_conn, service)
     assert info["matched_tokens"] == PROMPT_TOKENS, info["matched_tokens"]
     echo_conn, child = ctx.Pipe()
-    echo = ctx.Process(target=_echo_process, args=(child, info["canned"]))
+    echo = ctx.Process(target=_echo_process, args=(child, info["canned"], keys))
     echo.start()
     echo_address = echo_conn.recv()
-    frames = request_frames(make_prompt_tokens(prompts))
+    table = make_prompt_tokens(prompts)
+    frames = [request_frames(table, c) for c in range(CLIENTS)]
 
     service_lat: list[float] = []
     echo_lat: list[float] = []
     service_s = echo_s = 0.0
     for round_ in range(2):
-        print(f"round {round_ + 1}/2: echo, then service ({phase_s:.0f}s each)...", file=log)
-        echo_lat += _phase(echo_address, frames, ctx, phase_s)
+        print(f"{setting} round {round_ + 1}/2: echo, then service ({phase_s:.0f}s each)...",
+              file=log)  # fmt: skip
+        echo_lat += _phase(echo_address, frames, keys, ctx, phase_s)
         echo_s += phase_s
-        service_lat += _phase(info["address"], frames, ctx, phase_s)
+        service_lat += _phase(info["address"], frames, keys, ctx, phase_s)
         service_s += phase_s
     echo_conn.send("stop")
     echo.join()
@@ -260,16 +330,14 @@ def run(log=sys.stderr, prompts: int = PROMPTS, phase_s: float = PHASE_S) -> dic
     lookups_per_s = len(service_lat) / service_s
     echo_per_s = len(echo_lat) / echo_s
     quantiles = statistics.quantiles(service_lat, n=100)
-    return {
-        "clients": CLIENTS,
-        "prompts": prompts,
-        "pages_indexed": info["pages"],
+    echo_quantiles = statistics.quantiles(echo_lat, n=100)
+    figures = {
         "lookups_per_s": round(lookups_per_s, 1),
         "echo_per_s": round(echo_per_s, 1),
         "ratio": round(lookups_per_s / echo_per_s, 3),
         "p50_us": round(quantiles[49] * 1e6, 1),
         "p99_us": round(quantiles[98] * 1e6, 1),
-        "echo_p50_us": round(statistics.median(echo_lat) * 1e6, 1),
-        "inprocess_pages_per_s": round(info["inprocess_pages_per_s"]),
-        "bytes_per_page": round(info["bytes_per_page"], 1),
+        "echo_p50_us": round(echo_quantiles[49] * 1e6, 1),
+        "echo_p99_us": round(echo_quantiles[98] * 1e6, 1),
     }
+    return figures, info

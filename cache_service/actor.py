@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.auth import MeshKeys, tenant_salt
+from cache_service.malloc import keep_large_blocks_mapped
 from cache_service.server import ServerConfig, make_server
 
 SERVICE_NAME = "kvmesh-service"
@@ -50,6 +51,7 @@ class ServiceActor:
         self.keys = MeshKeys.from_dict(keys)
         self.auth = auth
         self.mesh = dict(mesh or {})
+        keep_large_blocks_mapped()  # this process is the service's: the index's memory
         self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()

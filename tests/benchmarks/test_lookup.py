@@ -20,8 +20,12 @@ def test_a_small_run_reports_every_figure():
     system_pages = lookup.SYSTEM_PROMPTS * lookup.SYSTEM_TOKENS // lookup.PAGE_TOKENS
     assert figures["pages_indexed"] == system_pages + 200 * pages_per_prompt
     assert figures["prompts"] == 200 and figures["clients"] == lookup.CLIENTS
-    assert figures["lookups_per_s"] > 0 and figures["echo_per_s"] > 0
-    assert figures["ratio"] == round(figures["lookups_per_s"] / figures["echo_per_s"], 3)
-    assert 0 < figures["p50_us"] <= figures["p99_us"]
+    for setting in ("", "_plain"):  # CurveZMQ as deployed, then plain text
+        lookups, echo = figures[f"lookups_per_s{setting}"], figures[f"echo_per_s{setting}"]
+        assert lookups > 0 and echo > 0
+        assert figures[f"ratio{setting}"] == round(lookups / echo, 3)
+        assert 0 < figures[f"p50_us{setting}"] <= figures[f"p99_us{setting}"]
+        assert 0 < figures[f"echo_p50_us{setting}"] <= figures[f"echo_p99_us{setting}"]
     assert figures["bytes_per_page"] > 0 and figures["inprocess_pages_per_s"] > 0
-    assert "building an index of 200 prompts" in log.getvalue()
+    assert "building an index of 200 prompts of 2048 tokens (plain)" in log.getvalue()
+    assert "(authenticated (CurveZMQ))" in log.getvalue()
