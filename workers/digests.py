@@ -107,9 +107,18 @@ def chain_digests(root: bytes, packed: bytes, page_tokens: int) -> list[bytes]:
     if len(root) != DIGEST_BYTES:
         raise ValueError(f"root digest must be {DIGEST_BYTES} bytes, got {len(root)}")
     step = page_tokens * TOKEN_BYTES
-    return extend_chain(
-        root, (packed[i : i + step] for i in range(0, len(packed) - step + 1, step))
-    )
+    # `extend_chain` inlined over slices of `packed`: publish hashes every page this way.
+    digests = []
+    copy, parent = _PAGE.copy, root
+    for start in range(0, len(packed) - step + 1, step):
+        h = copy()
+        h.update(parent)
+        h.update(packed[start : start + step])
+        parent = h.digest()
+        if parent == EMPTY_DIGEST:
+            parent = _never_empty(parent)
+        digests.append(parent)
+    return digests
 
 
 def page_digests(
