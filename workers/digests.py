@@ -108,16 +108,20 @@ def chain_digests(root: bytes, packed: bytes, page_tokens: int) -> list[bytes]:
         raise ValueError(f"root digest must be {DIGEST_BYTES} bytes, got {len(root)}")
     step = page_tokens * TOKEN_BYTES
     # `extend_chain` inlined over slices of `packed`: publish hashes every page this way.
-    digests = []
-    copy, parent = _PAGE.copy, root
+    # The empty digest is looked for once at the end, not once a page: it never comes (a
+    # chance of 2**-128 a page), and if it does, the careful loop computes the chain again.
+    digests: list[bytes] = []
+    append, copy, parent = digests.append, _PAGE.copy, root
     for start in range(0, len(packed) - step + 1, step):
         h = copy()
         h.update(parent)
         h.update(packed[start : start + step])
         parent = h.digest()
-        if parent == EMPTY_DIGEST:
-            parent = _never_empty(parent)
-        digests.append(parent)
+        append(parent)
+    if EMPTY_DIGEST in digests:
+        return extend_chain(
+            root, (packed[i : i + step] for i in range(0, len(packed) - step + 1, step))
+        )
     return digests
 
 
