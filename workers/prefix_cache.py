@@ -253,6 +253,20 @@ class Allocation:
         prompt_tokens: the prompt length at acquire.
     """
 
+    __slots__ = (
+        "_cache",
+        "namespace",
+        "tokens",
+        "_packed",
+        "pages",
+        "_tail",
+        "_held",
+        "cached_tokens",
+        "prompt_tokens",
+        "_chain_broken",
+        "released",
+    )
+
     def __init__(
         self,
         cache: PrefixCache,
