@@ -435,9 +435,10 @@ class PrefixCache:
         prompt = _as_token_list(tokens)
         if not prompt:
             raise ValueError("request 0 of the batch has no tokens")
+        packed = pack_tokens(prompt)  # outside the lock: other requests' threads go on
         # A batch of one, without the batch's lists: the request path of a worker.
         with self._lock:
-            entry = self._acquire_one(prompt, namespace, extra_token_slots, {}, 0)
+            entry = self._acquire_one(prompt, packed, namespace, extra_token_slots, {}, 0)
             return None if entry is None else entry.allocation
 
     def acquire_batch(
@@ -463,11 +464,14 @@ class PrefixCache:
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"request {i} of the batch has no tokens")
+        packed = [pack_tokens(prompt) for prompt in prompts]
         with self._lock:
             owners: dict[_Run, int] = {}  # pending run -> index of the request computing it
             entries: list[BatchEntry] = []
             for index, prompt in enumerate(prompts):
-                entry = self._acquire_one(prompt, namespace, extra_token_slots, owners, index)
+                entry = self._acquire_one(
+                    prompt, packed[index], namespace, extra_token_slots, owners, index
+                )
                 if entry is None:
                     for done in entries:
                         self._release(done.allocation)
@@ -570,6 +574,7 @@ class PrefixCache:
     def _acquire_one(
         self,
         tokens: list[int],
+        packed: bytes,
         namespace: Namespace,
         extra_slots: int,
         owners: dict[_Run, int],
@@ -577,9 +582,8 @@ class PrefixCache:
     ) -> BatchEntry | None:
         p = self.page_tokens
         n = len(tokens)
-        packed = pack_tokens(tokens)
         path, cow_source, reuse = self._match(packed, namespace, owners)
-        full_ref = sum(len(run.pages) for run in path)
+        full_ref = reuse // p  # the path's pages: it ends where the reuse's full pages do
         new_pages = _pages_for(n + extra_slots, p) - full_ref
 
         stats = self._stats
@@ -976,13 +980,7 @@ class PrefixCache:
             generations = tuple(self._generations(pages))
         else:
             generations = tuple(self._allocator.generation(page) for page in pages)
-        return PagesStored(
-            namespace=namespace,
-            parent_page=parent_page,
-            page_ids=tuple(pages),
-            generations=generations,
-            tokens=token_tuple(key),
-        )
+        return PagesStored(namespace, parent_page, tuple(pages), generations, token_tuple(key))
 
     # ------------------------------------------------------------------ integrity
 
