@@ -754,7 +754,9 @@ class PrefixCache:
         if allocation._held < limit and not allocation._chain_broken:
             # All held pages are published: the pages computed since become trie pages.
             held = allocation._held
-            parent = allocation._tail or self._root(allocation.namespace)
+            parent = allocation._tail
+            if parent is None:
+                parent = self._root(allocation.namespace)
             head = allocation._packed[held * step : (held + 1) * step]
             if parent.child(head) is not None:
                 allocation._chain_broken = True
