@@ -4,6 +4,11 @@ Workload: 64 requests of 2,048 tokens sharing a 1,536-token system prompt (16-to
 pages), issued one by one and again as one batch, on the real prefix cache over a real
 shared-memory page store. The store's pages are tiny (one layer, one head, head dim 8):
 this benchmark measures page accounting and trie work, not KV bytes.
+
+The warm requests are timed twice: on a store with room for every suffix
+(`us_per_request`), and on a store of exactly one request's pages (`us_per_request_evicting`),
+where the system prompt stays cached and every request evicts the suffix before it: the
+steady state of a worker whose cache is full.
 """
 
 from __future__ import annotations
@@ -89,6 +94,19 @@ def run(log=sys.stderr) -> dict[str, float]:
         hit_rate = hits / (after["queried_tokens"] - before["queried_tokens"])
         cache.check_integrity()
 
+    with _store(pages_per_request, "bench_evict") as store:
+        cache = PrefixCache(store, PrefixCacheConfig(page_tokens=PAGE_TOKENS))
+        _run_shared(cache, prompts[:1])  # the system prompt cached, the store full
+        print(f"timing {TIMED_REQUESTS} requests on a full cache (each one evicts)...", file=log)
+        before = cache.stats()["evictions"].get("evicted", 0)
+        us_evicting = _timed(lambda ps: _run_shared(cache, ps), timed)
+        evicted = cache.stats()["evictions"].get("evicted", 0) - before
+        suffix_pages = (PROMPT_TOKENS - PREFIX_TOKENS) // PAGE_TOKENS
+        assert evicted == TIMED_REQUESTS * suffix_pages, (
+            f"{evicted} pages evicted by {TIMED_REQUESTS} requests, expected {suffix_pages} each"
+        )
+        cache.check_integrity()
+
     with _store(num_pages, "bench_batch") as store:
         cache = PrefixCache(store, PrefixCacheConfig(page_tokens=PAGE_TOKENS))
         print(f"one batch of {REQUESTS} requests...", file=log)
@@ -117,6 +135,7 @@ def run(log=sys.stderr) -> dict[str, float]:
         "batch_computed_ratio": round(computed / (REQUESTS * PROMPT_TOKENS), 4),
         "batch_plan_us": round(batch_us, 1),
         "us_per_request": round(us_per_request, 1),
+        "us_per_request_evicting": round(us_evicting, 1),
         "base_us_per_request": round(base_us, 1),
         "warm_hit_rate": round(hit_rate, 4),
     }

@@ -13,9 +13,9 @@ from typing import Protocol
 
 
 class EvictionCandidate(Protocol):
-    """What a policy may read of a trie node."""
+    """What a policy may read of a trie page (the last page of a run of the trie)."""
 
-    node_id: int  # unique, increasing in creation order
+    node_id: int  # unique, increasing in creation order (deeper pages of a run: higher)
     last_access: int  # logical clock of the last acquire that reused or created it
     hits: int  # how many acquires reused it
     depth: int  # pages from the namespace root (1 = first page)
@@ -30,6 +30,12 @@ class EvictionPolicy(ABC):
     """
 
     name: str
+    # True when the key depends on nothing but (hits, last_access, node_id) and rises with
+    # node_id: the pages of a trie run share hits and last access, and deeper ones are
+    # younger, so once a run's last page is the lowest key, the page before it is lower
+    # still, and the cache evicts as many pages of the run as it needs at once. A policy
+    # that leaves it False is asked for the key of every page before the next is taken.
+    evicts_runs_tail_first: bool = False
 
     @abstractmethod
     def key(self, node: EvictionCandidate) -> tuple[int, ...]: ...
@@ -39,6 +45,7 @@ class LruPolicy(EvictionPolicy):
     """Least recently used first; ties (same acquire) go to the older node."""
 
     name = "lru"
+    evicts_runs_tail_first = True
 
     def key(self, node: EvictionCandidate) -> tuple[int, ...]:
         return (node.last_access, node.node_id)
@@ -52,6 +59,7 @@ class LfuPolicy(EvictionPolicy):
     """
 
     name = "lfu"
+    evicts_runs_tail_first = True
 
     def key(self, node: EvictionCandidate) -> tuple[int, ...]:
         return (node.hits, node.last_access, node.node_id)

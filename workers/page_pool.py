@@ -37,6 +37,9 @@ class PageAllocator(Protocol):
     def generation(self, page: int) -> int:
         """The page's generation: it changes whenever the page is freed or rewritten."""
 
+    def generations(self, page_ids: Sequence[int]) -> list[int]:
+        """`generation` of several pages, in order (an event announces a run of them)."""
+
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the KV of the first `num_tokens` token slots of page `src` into `dst`."""
 
@@ -172,6 +175,14 @@ class PagePool:
     def generation(self, page: int) -> int:
         return int(self._generations[page])
 
+    def generations(self, page_ids: Sequence[int]) -> list[int]:
+        """The generations of some pages, in order.
+
+        Raises:
+            ValueError: a page is out of range.
+        """
+        return generation_rows(self._generations, page_ids, self._num_pages)
+
     def is_free(self, page: int) -> bool:
         return self._is_free[page]
 
@@ -261,6 +272,31 @@ class PagePool:
 
 
 _NUMPY_FROM = 8  # pages from which one numpy op beats a Python loop (measured: 6 to 8)
+
+
+def generation_rows(
+    generations: MutableSequence[int], page_ids: Sequence[int], num_pages: int
+) -> list[int]:
+    """Items of a generation array (a list, or shared int64 numpy) as ints, range-checked.
+
+    A publish announces its run of pages with their generations: a slice when the run is
+    ascending (pages are handed out so), else one fancy-indexed copy.
+    """
+    if type(page_ids) is list:
+        pages = page_ids
+    else:
+        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1).tolist()
+    if not pages:
+        return []
+    low, high = min(pages), max(pages)
+    if low < 0 or high >= num_pages:
+        bad = [p for p in pages if not 0 <= p < num_pages]
+        raise ValueError(f"pages {bad} out of range [0, {num_pages})")
+    if not isinstance(generations, np.ndarray):
+        return [int(generations[page]) for page in pages]
+    if high - low + 1 == len(pages) and pages == list(range(low, high + 1)):
+        return generations[low : high + 1].tolist()
+    return generations[pages].tolist()
 
 
 def digest_rows(digests: np.ndarray, page_ids: Sequence[int], num_pages: int) -> list[bytes]:

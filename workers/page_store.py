@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from workers.digests import DIGEST_BYTES
-from workers.page_pool import PagePool, digest_rows
+from workers.page_pool import PagePool, digest_rows, generation_rows
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvmesh-"
@@ -651,8 +651,7 @@ class SharedPageStore:
         Raises:
             ValueError: a page is out of range.
         """
-        index = self._index(page_ids)
-        return self._live_generations()[index.numpy()].tolist()
+        return generation_rows(self._live_generations(), page_ids, self.num_pages)
 
     def set_digest(self, page: int, digest: bytes) -> None:
         """Record what an allocated page holds (`workers.digests`), visible to readers.

@@ -26,6 +26,7 @@ def test_bench_local_prints_one_json_line_last():
     assert figures["pages_shared"] == 96 + 64 * 32
     assert figures["warm_hit_rate"] == pytest.approx(0.75)
     assert figures["us_per_request"] > 0
+    assert figures["us_per_request_evicting"] > 0
 
 
 def test_unknown_benchmark_is_a_usage_error():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from cache_service.auth import KeyPair, MeshKeys
-
 from cache_service.events import Namespace, PagesStored
 from cache_service.protocol import DEFAULT_LIMITS, Limits
 from cache_service.server import ServerConfig, make_server

@@ -9,8 +9,8 @@ could reach the socket could speak for any worker.
 from __future__ import annotations
 
 import pytest
-from cache_service.auth import KeyPair
 
+from cache_service.auth import KeyPair
 from cache_service.events import AllCleared, Namespace
 from tests.security.service_rig import NS, serve
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable
