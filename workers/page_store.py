@@ -229,7 +229,8 @@ def process_start_time(pid: int) -> int | None:
         pid: the process id.
 
     Returns:
-        Field 22 of /proc/{pid}/stat, or None when no process has that pid.
+        Field 22 of /proc/{pid}/stat, or None when no process has that pid or it is a
+        zombie (its segments are then as good as an exited owner's).
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -237,8 +238,10 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     # Field 2 (the command name) may itself contain spaces and parentheses; fields after
-    # the last ')' are plain numbers, starting with field 3.
+    # the last ')' are plain, starting with field 3, the state.
     fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] == b"Z":  # killed, not yet reaped by its parent: it runs no more
+        return None
     return int(fields[22 - 3])
 
 

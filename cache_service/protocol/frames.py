@@ -18,6 +18,7 @@ level. So:
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import msgpack
@@ -36,6 +37,9 @@ from cache_service.protocol.errors import (
 _FAST_LIST_LEN = 128
 _FAST_MAP_LEN = 16
 _CONTAINERS = frozenset((list, dict))
+# msgpack's message for a string over its max_str_len, which decoding sets to the longest
+# string any field takes (max_str_len or max_text_len, whichever is larger).
+_STRING_OVER = re.compile(r"(\d+) exceeds max_str_len\((\d+)\)")
 
 
 def unpack(frame: Any, limits: Limits) -> Any:
@@ -146,6 +150,11 @@ def _unpack_error(exc: Exception) -> ProtocolError:
     if "max_ext_len" in text:
         return ProtocolError(BAD_FRAME, "msgpack ext types are not part of the protocol")
     if isinstance(exc, ValueError) and "exceeds max_" in text:
+        too_long = _STRING_OVER.fullmatch(text)
+        if too_long:  # msgpack names its own option, which no Limits field is
+            length, most = too_long.groups()
+            message = f"frame: a string of {length} bytes, longer than any field takes ({most})"
+            return ProtocolError(TOO_LARGE, message)
         return ProtocolError(TOO_LARGE, f"frame: {text}")
     return ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__}: {text[:200]})")
 

@@ -1035,6 +1035,15 @@ def test_span_counts_are_bounded():
     assert info.value.code == TOO_LARGE
 
 
+def test_a_string_longer_than_any_field_is_refused_with_the_bound():
+    longest = max(DEFAULT_LIMITS.max_str_len, DEFAULT_LIMITS.max_text_len)
+    frame = raw_frame(MATCH, {"namespace": ["m", "", "x" * (longest + 1)]})
+    message = f"frame: a string of {longest + 1} bytes, longer than any field takes ({longest})"
+    with pytest.raises(ProtocolError, match=re.escape(message)) as info:
+        decode(frame)
+    assert info.value.code == TOO_LARGE
+
+
 def test_values_at_their_limits_are_accepted():
     limits = Limits(max_tokens=8, max_list_len=5, max_str_len=4)
     body = {

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -557,6 +558,26 @@ def test_second_process_reads_the_exact_bytes():
             assert bytes.fromhex(digest) == DIGESTS[seed] == store.digests([page])[0]
             store.check_integrity()
         assert rest == b""
+
+
+@pytest.mark.slow
+def test_a_killed_owner_not_yet_reaped_is_dead_to_the_reclaimer():
+    child = start_python(OWN_STORE_IN_CHILD, "zombie")
+    try:
+        name = child.stdout.readline().decode().strip()
+        assert name.startswith(f"kvmesh-{child.pid}-"), child.stderr.read().decode()
+        os.kill(child.pid, signal.SIGKILL)
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # not waited for yet
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        assert process_start_time(child.pid) is None
+        assert reclaim_dead_segments(prefix=f"kvmesh-{child.pid}-") == [name]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
 
 
 @pytest.mark.slow
