@@ -25,6 +25,7 @@ from cache_service.actor import RAY_NAMESPACE, get_service
 from cluster.config import config_from_dict
 from cluster.errors import MeshError
 from cluster.status import render, run_top, top_view
+from tests.waiting import wait_until
 from workers.page_store import SHM_DIR
 
 pytestmark = pytest.mark.slow
@@ -69,13 +70,6 @@ def this_node() -> tuple[str, str]:
     node_id = ray.get_runtime_context().get_node_id()
     (address,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
     return node_id, address
-
-
-def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -351,9 +345,7 @@ def test_integrity_after_use(owner):
 def test_a_lost_worker_is_refused(owner):
     # This test and the next one kill a worker and stop the module's mesh: keep them last.
     ray.kill(ray.get_actor("kvmesh-worker-w1", namespace=RAY_NAMESPACE), no_restart=True)
-    wait_until(
-        lambda: "kvmesh-worker-w1" not in kvmesh_actor_names(), what="w1's name to be released"
-    )
+    wait_until(lambda: "kvmesh-worker-w1" not in kvmesh_actor_names(), 15, "w1's name released")
 
     log = io.StringIO()
     with pytest.raises(MeshError) as lost:
@@ -385,7 +377,7 @@ def test_the_owner_still_stops_everything(started):
 
     owner.stop()
     owner.stop()  # idempotent
-    wait_until(lambda: not kvmesh_actor_names(), what="the kvmesh actors to go")
+    wait_until(lambda: not kvmesh_actor_names(), 15, "the kvmesh actors to go")
     assert ray.is_initialized()
     with pytest.raises(RuntimeError, match="mesh is shut down"):
         owner.generate(PROMPT, 1, worker="w0")

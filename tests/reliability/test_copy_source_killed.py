@@ -19,6 +19,7 @@ import ray
 import cluster
 from cluster.config import config_from_dict
 from tests.reliability.killing_relay import KillingRelay
+from tests.waiting import wait_until
 from workers.page_client import PageClient
 
 pytestmark = pytest.mark.slow
@@ -81,10 +82,7 @@ def test_a_holder_killed_mid_reply_costs_a_recompute_and_nothing_else(mesh):
     assert stats["cache"]["cached_pages"] == held["cache"]["cached_pages"]
     ray.get(copier.check_integrity.remote())
     # The front door saw the death; the holder is out of routing.
-    deadline = time.monotonic() + 10
-    while "w0" in mesh.live_workers():
-        assert time.monotonic() < deadline, "w0 not seen dead"
-        time.sleep(0.05)
+    wait_until(lambda: "w0" not in mesh.live_workers(), 10, "w0 seen dead")
     again = mesh.generate(PROMPT, 4, tenant="mid")
     assert again.stats["worker"] == "w1" and again.token_ids == reference
     mesh.check_integrity()

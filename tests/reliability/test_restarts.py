@@ -9,13 +9,13 @@ import io
 import os
 import re
 import signal
-import time
 
 import pytest
 import ray
 
 import cluster
 from cluster.config import config_from_dict
+from tests.waiting import wait_until
 from workers.page_store import SHM_DIR, owner_alive
 
 pytestmark = pytest.mark.slow
@@ -50,14 +50,6 @@ def live_stores(killed: set[int]) -> dict[str, int]:
         if match and int(match[1]) not in killed and owner_alive(name):
             stores[match[2]] = int(match[1])
     return stores
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (answer := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return answer
 
 
 @pytest.fixture
