@@ -87,7 +87,7 @@ DEFAULT_SECONDS = 50.0
 SECONDS_ENV = "KVMESH_CHAOS_SECONDS"  # the default duration, for short runs (tests)
 WORKERS = 3
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     # 256 pages a worker: fewer than the workload's prompts need, so pages are evicted.
     "store": {"num_pages": 256},
     "workers": {

@@ -18,6 +18,7 @@ import yaml
 
 from cache_service.addresses import check_bind_host
 from cache_service.server import ServerConfig
+from workers.models import DTYPES, model_shape
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
 from workers.transfer import ENCRYPT_PAGES_DEFAULT
@@ -36,22 +37,22 @@ def _check_host(host: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model whose KV the pages hold; its shape fixes the page layout."""
+    """The model whose KV the pages hold. Its shape (layers, KV heads, head dim) is the
+    model's own (`workers.models.KNOWN_MODELS`), never configured: it fixes the page
+    layout, and the page store takes the model's dtype."""
 
     name: str = "smollm2-135m"
-    # SmolLM2-135M: 30 layers, 3 KV heads (grouped-query attention), head dim 64.
-    num_layers: int = 30
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    # fp32 on CPU: the correctness checks compare logits at 1e-4.
+    # fp32 on CPU: the correctness checks compare logits at 1e-4; bfloat16 halves the
+    # pages (and the bytes a copy moves) at the cost of that agreement.
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if not self.name:
-            raise ConfigError("model.name must not be empty")
+        try:
+            model_shape(self.name)
+        except ValueError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}: {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,17 @@ class StoreConfig:
     # 2,048 pages of 16 tokens = 32,768 tokens; for SmolLM2 in fp32 a page is 720 KiB,
     # so the store takes 1.4 GiB of shared memory per worker.
     num_pages: int = 2048
-    dtype: str = "float32"
+    # Where pages live. Only "cpu" (the shared-memory store) until device pages exist.
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:
             raise ConfigError(f"store.num_pages must be positive, got {self.num_pages}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"store.dtype must be float32, float16 or bfloat16: {self.dtype!r}")
-        if not self.device:
-            raise ConfigError("store.device must not be empty")
+        if self.device != "cpu":
+            raise ConfigError(
+                f"store.device {self.device!r} is not supported: pages live in host shared "
+                "memory ('cpu') for now"
+            )
 
 
 @dataclass(frozen=True)
@@ -199,14 +201,15 @@ class KvmeshConfig:
         )
 
     def store_layout(self) -> StoreLayout:
-        """The page store layout these sections describe."""
+        """The page store layout these sections describe (the model's KV shape)."""
+        shape = model_shape(self.model.name)
         return StoreLayout(
             num_pages=self.store.num_pages,
-            num_layers=self.model.num_layers,
-            num_kv_heads=self.model.num_kv_heads,
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
             page_tokens=self.cache.page_tokens,
-            head_dim=self.model.head_dim,
-            dtype=self.store.dtype,
+            head_dim=shape.head_dim,
+            dtype=self.model.dtype,
         )
 
 
@@ -239,6 +242,16 @@ def config_from_dict(data: Any) -> KvmeshConfig:
     return _build(KvmeshConfig, data, "")
 
 
+# Keys older configs carry, and why they are gone (named when a file still has one).
+_SHAPE_KEY = "the model's shape comes from the model itself: drop the key"
+_REMOVED = {
+    "model.num_layers": _SHAPE_KEY,
+    "model.num_kv_heads": _SHAPE_KEY,
+    "model.head_dim": _SHAPE_KEY,
+    "store.dtype": "the page store takes model.dtype",
+}
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
@@ -247,7 +260,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         path = f"{where}.{unknown[0]}" if where else str(unknown[0])
-        raise ConfigError(f"unknown key {path!r}; known: {', '.join(sorted(fields))}")
+        why = f" ({_REMOVED[path]})" if path in _REMOVED else ""
+        raise ConfigError(f"unknown key {path!r}{why}; known: {', '.join(sorted(fields))}")
     values = {}
     for name, value in data.items():
         key = f"{where}.{name}" if where else name

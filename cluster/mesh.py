@@ -207,6 +207,7 @@ class Mesh:
                     "worker_id": worker_id,
                     "host": cfg.workers.host,
                     "model": cfg.model.name,
+                    "dtype": cfg.model.dtype,
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
                     "threads": cfg.workers.threads,

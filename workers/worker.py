@@ -31,10 +31,11 @@ import torch
 
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
+from workers import models
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
 from workers.digests import page_digests
 from workers.figures import WorkerFigures
-from workers.model_runner import ModelRunner, load_smollm2, store_layout_for, tiny_llama
+from workers.model_runner import ModelRunner, store_layout_for
 from workers.page_store import (
     PageStoreError,
     SharedPageStore,
@@ -72,7 +73,7 @@ class WorkerSettings:
     worker_id: str
     node_id: str
     host: str  # this node's address, for the page server
-    model: str  # "smollm2-135m", or "tiny" (random weights, for tests)
+    model: str  # a name of workers.models.KNOWN_MODELS ("tiny": random weights, for tests)
     num_pages: int
     cache: PrefixCacheConfig
     threads: int = 1
@@ -86,6 +87,7 @@ class WorkerSettings:
     page_peers: frozenset[bytes] = frozenset()
     mesh_secret: bytes = b""
     encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
+    dtype: str = "float32"  # the model's weights and KV pages (workers.models.DTYPES)
 
 
 class PeerInfo(NamedTuple):
@@ -118,7 +120,7 @@ class Worker:
         self.worker_id = settings.worker_id
         torch.set_num_threads(settings.threads)
         if model is None:
-            model, tokenizer = self._load_model(settings.model)
+            model, tokenizer = models.load(settings.model, settings.dtype)
         self.model_name = settings.model
         self.tokenizer = tokenizer
         page_tokens = settings.cache.page_tokens
@@ -455,14 +457,6 @@ class Worker:
                 raise ValueError("this worker's model has no tokenizer: pass token ids")
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
-
-    @staticmethod
-    def _load_model(name: str) -> tuple[Any, Any]:
-        if name == "tiny":
-            return tiny_llama(), None
-        if name == "smollm2-135m":
-            return load_smollm2()
-        raise ValueError(f"unknown model {name!r}; known: smollm2-135m, tiny")
 
     def _measure_costs(self) -> CostModel:
         """Prefill tokens/s of this model here, page memcpy bytes/s, and loopback ZMQ

@@ -31,7 +31,7 @@ from workers.page_store import SHM_DIR
 pytestmark = pytest.mark.slow
 
 TINY = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 64},
     "workers": {"count": 2, "threads": 1},
 }

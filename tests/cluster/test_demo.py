@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = """\
-model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 16}
+model: {name: tiny}
 store: {num_pages: 512}
 workers: {count: 2, threads: 1}
 """

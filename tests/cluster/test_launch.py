@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 TINY = """\
-model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 16}
+model: {name: tiny}
 store: {num_pages: 64}
 workers: {count: 2, num_cpus: 1, publish_interval_s: 0.1}
 """

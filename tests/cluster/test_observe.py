@@ -35,7 +35,7 @@ PROMPT_TOKENS = 40
 NEW_TOKENS = 4
 TENANTS = ("acme", "globex")
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 24},
     "workers": {"count": 2, "threads": 1},
 }

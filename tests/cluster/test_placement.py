@@ -33,7 +33,7 @@ NODE_B = "b" * 8 + "2" * 48
 def tiny_config(**workers):
     return config_from_dict(
         {
-            "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+            "model": {"name": "tiny"},
             "store": {"num_pages": 64},
             "workers": {"threads": 1, **workers},
         }

@@ -394,7 +394,7 @@ def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, 
     kvmesh = str(BIN / "kvmesh")
     config = hosts.logs / "cut.yaml"
     cfg = yaml.safe_load(MULTINODE.read_text())
-    cfg["model"] = {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    cfg["model"] = {"name": "tiny"}
     cfg["store"]["num_pages"] = 128
     cfg["service"]["liveness_timeout_s"] = LIVENESS_S
     config.write_text(yaml.safe_dump(cfg))

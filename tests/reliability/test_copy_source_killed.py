@@ -25,7 +25,7 @@ from workers.page_client import PageClient
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 128},
     "workers": {"count": 2, "threads": 1, "num_cpus": 1},
 }

@@ -25,7 +25,7 @@ from workers.client import ServiceClient, ray_resolver
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 128},
     "workers": {"count": 3, "threads": 1, "num_cpus": 0.5},
 }

@@ -24,7 +24,7 @@ KILLS = 50
 KILLED = ("w1", "w2", "w3")  # killed in turn, restarting side by side; w0 is never killed
 CHECK_EVERY = 25  # after so many kills, every worker must be taken back and serve
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 64},
     "workers": {
         "count": 4,

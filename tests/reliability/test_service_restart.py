@@ -20,7 +20,7 @@ from tests.service_restart import restart_service
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "model": {"name": "tiny"},
     "store": {"num_pages": 256},
     "workers": {"count": 2, "threads": 1, "publish_interval_s": 0.2},
 }
