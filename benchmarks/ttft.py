@@ -1,12 +1,14 @@
 """`kvmesh bench ttft`: time to first token with the real model, cold, local and remote.
 
-A 1,024-token shared prefix and 64-token suffixes, on two simulated Ray nodes with one
-worker each (w0 on the head node, w1 on the other), through the front door. Each round
-uses a fresh tenant, so nothing carries over between rounds:
+A 1,024-token shared prefix and 64-token suffixes, on two simulated Ray nodes and three
+workers, through the front door: `near` and `asker` share a node, `far` is alone on the
+other. Each round uses a fresh tenant, so nothing carries over between rounds:
 
-- cold:   w0, prefix + suffix A, nothing cached;
-- local:  w0, prefix + suffix B, the prefix in w0's own cache;
-- remote: w1, prefix + suffix C, the prefix copied from w0 over its page server.
+- cold:    near, prefix + suffix A, nothing cached;
+- local:   near, prefix + suffix B, the prefix in near's own cache;
+- remote:  far, prefix + suffix C, the prefix copied from near over its page server;
+- several: asker, prefix + suffix D, the prefix held by near (same node: shared memory)
+           and far (its page server), copied from both at once.
 
 `suffix_only_s` is the model's own time for the 64-token suffix with the prefix already
 in its cache (the forward pass of the local run). Medians over the rounds.
@@ -34,34 +36,62 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40_000) for _ in range(n)]
 
 
+def _roles(mesh) -> tuple[str, str, str]:
+    """(near, asker, far): near and asker share a node, far is alone on the other."""
+    by_node: dict[str, list[str]] = {}
+    for info in ray.get([w.info.remote() for w in mesh.workers.values()]):
+        by_node.setdefault(info["node_id"], []).append(info["worker_id"])
+    pairs = [sorted(ids) for ids in by_node.values() if len(ids) == 2]
+    alone = [ids[0] for ids in by_node.values() if len(ids) == 1]
+    if len(pairs) != 1 or len(alone) != 1:
+        raise RuntimeError(f"the workers were not spread 2 + 1 over the nodes: {by_node}")
+    return pairs[0][0], pairs[0][1], alone[0]
+
+
+def _copy_bytes(mesh, worker: str) -> dict[str, int]:
+    return ray.get(mesh.workers[worker].stats.remote())["copy_bytes"]
+
+
 def run(log=sys.stderr) -> dict[str, float]:
     """Run the benchmark; returns the named figures (also the JSON line of the CLI)."""
-    sim = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    sim = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     sim.add_node(num_cpus=1)
     sim.wait_for_nodes()
     cfg = config_from_dict(
         {
             "cache": {"page_tokens": 16},
             "store": {"num_pages": 512},
-            "workers": {"count": 2, "threads": 1},
+            "workers": {"count": 3, "threads": 1},
         }
     )
     mesh = cluster.connect(cfg, address=sim.address, log=log)
     try:
+        near, asker, far = _roles(mesh)
         rng = random.Random(0)
         cold, local, remote, suffix_only, copy = [], [], [], [], []
+        several, several_copy = [], []
+        shares = {"same_node": 0, "remote": 0}  # bytes the asker copied, by kind
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1}/{ROUNDS}...", file=log)
             tenant = f"bench-{round_}"
             prefix = _tokens(rng, PREFIX_TOKENS)
-            a, b, c = (_tokens(rng, SUFFIX_TOKENS) for _ in range(3))
-            first = mesh.generate(prefix + a, 1, tenant=tenant, worker="w0")
-            mesh.flush()  # w0's pages in the index before w1 asks for them
+            a, b, c, d = (_tokens(rng, SUFFIX_TOKENS) for _ in range(4))
+            first = mesh.generate(prefix + a, 1, tenant=tenant, worker=near)
+            mesh.flush()  # near's pages in the index before far asks for them
             assert first.stats["computed_tokens"] == PREFIX_TOKENS + SUFFIX_TOKENS
-            hit = mesh.generate(prefix + b, 1, tenant=tenant, worker="w0")
+            hit = mesh.generate(prefix + b, 1, tenant=tenant, worker=near)
             assert hit.stats["local_hit_tokens"] == PREFIX_TOKENS
-            copied = mesh.generate(prefix + c, 1, tenant=tenant, worker="w1")
+            copied = mesh.generate(prefix + c, 1, tenant=tenant, worker=far)
             assert copied.stats["remote_hit_tokens"] == PREFIX_TOKENS
+            mesh.flush()  # far holds the prefix too now
+            before = _copy_bytes(mesh, asker)
+            both = mesh.generate(prefix + d, 1, tenant=tenant, worker=asker)
+            assert both.stats["remote_hit_tokens"] == PREFIX_TOKENS
+            after = _copy_bytes(mesh, asker)
+            for kind in shares:
+                shares[kind] += after.get(kind, 0) - before.get(kind, 0)
+            several.append(both.stats["ttft_s"])
+            several_copy.append(both.stats["copy_s"])
             cold.append(first.stats["ttft_s"])
             local.append(hit.stats["ttft_s"])
             remote.append(copied.stats["ttft_s"])
@@ -74,6 +104,7 @@ def run(log=sys.stderr) -> dict[str, float]:
         sim.shutdown()
     cold_s, local_s = statistics.median(cold), statistics.median(local)
     remote_s, suffix_s = statistics.median(remote), statistics.median(suffix_only)
+    several_s = statistics.median(several)
     return {
         "prefix_tokens": PREFIX_TOKENS,
         "suffix_tokens": SUFFIX_TOKENS,
@@ -82,8 +113,15 @@ def run(log=sys.stderr) -> dict[str, float]:
         "ttft_local_s": round(local_s, 4),
         "ttft_remote_s": round(remote_s, 4),
         "suffix_only_s": round(suffix_s, 4),
+        "ttft_several_s": round(several_s, 4),
         "remote_copy_s": round(statistics.median(copy), 4),
+        "several_copy_s": round(statistics.median(several_copy), 4),
+        # of the bytes the asker copied in the several rounds: near's share (shared memory)
+        # and far's (its page server)
+        "several_same_node_bytes": shares["same_node"],
+        "several_remote_bytes": shares["remote"],
         "local_vs_suffix_only": round(local_s / suffix_s, 3),
         "remote_vs_local": round(remote_s / local_s, 3),
+        "several_vs_local": round(several_s / local_s, 3),
         "speedup_local": round(cold_s / local_s, 2),
     }

@@ -6,10 +6,14 @@ on first use so that `kvmesh --help` does not pay for Ray and torch.
 
 from typing import Any
 
-__all__ = ["connect", "Mesh", "GenerateResult", "MeshError"]
+__all__ = ["connect", "Mesh", "GenerateResult", "MeshError", "StreamChunk", "TokenStream"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("StreamChunk", "TokenStream"):
+        from cluster import streams
+
+        return getattr(streams, name)
     if name in __all__:
         from cluster import mesh
 

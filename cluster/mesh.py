@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from workers.sampling import SamplingParams
 
 from cache_service.actor import (
     RAY_NAMESPACE,
@@ -51,12 +52,16 @@ from cache_service.actor import (
 )
 from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.events import Namespace
+from cache_service.protocol import Limits
 from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.errors import MeshError
 from cluster.roster import Roster
 from cluster.status import summarize
+from cluster.streams import TokenStream, chat_prompt
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
+from workers.models import model_shape
+from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
 from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -67,9 +72,24 @@ EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
 
 class GenerateResult(NamedTuple):
     token_ids: list[int]
-    text: str
+    text: str  # the decoded tokens, special tokens (the end of sequence) left out
     stats: dict[str, Any]
     logits: list[float] | None = None  # the last prompt position's, when asked for
+    # "stop": an end-of-sequence or stop token ended it (the last token); "length":
+    # max_new_tokens reached; "out_of_pages": the worker's store could not grow it.
+    finish_reason: str = "length"
+
+
+class _FrontRequest(NamedTuple):
+    tokens: list[int]
+    namespace: Namespace
+    arguments: dict[str, Any]  # the worker's generate/stream keyword arguments
+
+
+def _result(out: dict[str, Any]) -> GenerateResult:
+    return GenerateResult(
+        out["token_ids"], out["text"], out["stats"], out.get("logits"), out["finish_reason"]
+    )
 
 
 class WorkerActor(Worker):
@@ -314,52 +334,156 @@ class Mesh:
         worker: str | None = None,
         return_logits: bool = False,
         reuse: bool = True,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> GenerateResult:
         """Generate from a prompt on the worker that holds most of its prefix.
 
+        Generation stops at the model's end-of-sequence token(s) (returned as the last
+        token, left out of `text`), at one of `stop_token_ids`, or after `max_new_tokens`.
+
         Args:
             prompt: text or token ids.
-            max_new_tokens: tokens to generate (greedy).
+            max_new_tokens: tokens to generate at most.
             tenant: the tenant's name; its pages are never shared with other tenants.
             worker: run on this worker instead of routing (for tests and benchmarks).
             return_logits: also return the last prompt position's logits.
             reuse: False computes the whole prompt and shares nothing (a baseline).
+            temperature: 0 (the default) samples greedily; > 0 samples from the softmax.
+            top_p: nucleus sampling: the most probable tokens up to this total probability.
+            top_k: sample among the k most probable tokens (0: all).
+            seed: the same seed gives the same tokens, whatever the cache supplied.
+            stop_token_ids: more tokens that end generation.
+            ignore_eos: generate past the end-of-sequence tokens (to max_new_tokens).
         Returns:
-            GenerateResult(token_ids, text, stats); stats include local_hit_tokens,
-            remote_hit_tokens, computed_tokens, ttft_s and worker.
+            GenerateResult(token_ids, text, stats, logits, finish_reason): finish_reason
+            "stop" or "length"; stats include local_hit_tokens, remote_hit_tokens,
+            computed_tokens, ttft_s and worker.
         Raises:
-            ValueError: empty prompt, unknown worker or tenant, bad max_new_tokens.
+            ValueError: an empty prompt, token ids outside the vocabulary, max_new_tokens
+                not an int >= 1 or past the model's context window, bad sampling
+                settings, an unknown worker, or a tenant name that cannot be encoded.
+                Nothing is held or routed then.
             MeshError: no live worker is left, or the worker named by `worker` is dead.
         """
-        if self._closed:
-            raise RuntimeError("mesh is shut down")
-        tokens = self._tokens(prompt)
-        if not tokens:
-            raise ValueError("empty prompt")
-        if worker is not None and worker not in self.workers:
-            raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
-        salt = self.salt(tenant)
-        self._name_tenant(tenant, salt)
-        namespace = Namespace(self.config.model.name, "", salt)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        request = self._request(
+            prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+        )
         while True:
-            chosen = worker or self._route(namespace, tokens)
+            chosen = worker or self._route(request.namespace, request.tokens)
             if self.roster.is_dead(chosen):
                 raise MeshError(f"worker {chosen!r} is dead")
             try:
-                out = self._run(chosen, tokens, max_new_tokens, salt, return_logits, reuse)
+                with self.roster.running(chosen):
+                    call = self.workers[chosen].generate.remote(
+                        request.tokens, return_logits=return_logits, **request.arguments
+                    )
+                    out = ray.get(call)
             except ray.exceptions.RayActorError as exc:
                 self.roster.lost(chosen, exc)
                 if worker is not None:
                     raise MeshError(f"worker {chosen!r} died during the request: {exc}") from None
                 continue  # routed: run it again on a live worker
-            return GenerateResult(out["token_ids"], out["text"], out["stats"], out.get("logits"))
+            return _result(out)
 
-    def _run(self, worker: str, tokens, max_new_tokens, salt, return_logits, reuse) -> dict:
-        with self.roster.running(worker):
-            call = self.workers[worker].generate.remote(
-                tokens, max_new_tokens, salt, return_logits=return_logits, reuse=reuse
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 16,
+        tenant: str = "default",
+        worker: str | None = None,
+        reuse: bool = True,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> TokenStream:
+        """`generate`, with the tokens handed over as they are decoded.
+
+            stream = mesh.stream("Once upon a time", max_new_tokens=32)
+            for chunk in stream:           # StreamChunk(token_id, text): text is what
+                print(chunk.text, end="")  # the token adds to the decoded output
+            stream.result                  # the GenerateResult, once the stream ended
+
+        Same arguments, checks and errors as `generate` (raised here, before anything
+        runs). A routed request whose worker dies before its first token runs again on a
+        live worker; after it, the stream raises MeshError.
+        """
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        request = self._request(
+            prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+        )
+        return TokenStream(self, request, worker)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        max_new_tokens: int = 64,
+        tenant: str = "default",
+        *,
+        stream: bool = False,
+        **options: Any,
+    ) -> GenerateResult | TokenStream:
+        """Answer a conversation: the model's chat template turns `messages` into the
+        prompt (with the assistant's turn opened), then `generate` (or `stream`) runs it.
+        A conversation that grows turn by turn reuses its earlier turns' pages.
+
+        Args:
+            messages: [{"role": "system" | "user" | "assistant", "content": str}, ...].
+            max_new_tokens, tenant: as `generate`.
+            stream: return a TokenStream instead of waiting for the whole answer.
+            options: the other keyword arguments of `generate` / `stream`.
+        Raises:
+            ValueError: malformed messages, a model without a chat template, or what
+                `generate` raises.
+        """
+        tokens = chat_prompt(self.tokenizer, messages, self.config.model.name)
+        run = self.stream if stream else self.generate
+        return run(tokens, max_new_tokens, tenant, **options)
+
+    def _request(
+        self, prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+    ) -> _FrontRequest:
+        """Check everything a worker would, before anything is routed or held."""
+        if self._closed:
+            raise RuntimeError("mesh is shut down")
+        tokens = self._tokens(prompt)
+        if not tokens:
+            raise ValueError("empty prompt")
+        shape = model_shape(self.config.model.name)
+        tokens = check_tokens(tokens, shape.vocab_size)
+        check_max_new_tokens(max_new_tokens, len(tokens), shape.context_tokens)
+        stops = check_tokens(list(stop_token_ids), shape.vocab_size, "stop token")
+        for name, flag in (("ignore_eos", ignore_eos), ("reuse", reuse)):
+            if type(flag) is not bool:
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if worker is not None and worker not in self.workers:
+            raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
+        salt = self.salt(tenant)
+        if len(tenant.encode("utf-8")) > Limits().max_str_len:
+            raise ValueError(
+                f"tenant name of {len(tenant.encode('utf-8'))} bytes; the service takes "
+                f"names of at most {Limits().max_str_len}"
             )
-            return ray.get(call)
+        self._name_tenant(tenant, salt)
+        arguments = {
+            "max_new_tokens": max_new_tokens,
+            "salt": salt,
+            "reuse": reuse,
+            "sampling": sampling.to_dict(),
+            "stop_token_ids": stops,
+            "ignore_eos": ignore_eos,
+        }
+        return _FrontRequest(tokens, Namespace(self.config.model.name, "", salt), arguments)
 
     def flush(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
         """Wait until every live worker's events are applied by the service (workers
@@ -508,7 +632,7 @@ class Mesh:
                     f"model {self.config.model.name!r} has no tokenizer: pass token ids"
                 )
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        return prompt_tokens(prompt)
 
     def _probe_service(self) -> None:
         """While routing skips the service (it did not answer), ask it here, off the

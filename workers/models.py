@@ -20,13 +20,14 @@ class ModelShape(NamedTuple):
     num_kv_heads: int
     head_dim: int
     context_tokens: int  # positions the model was trained for (prompt + generated)
+    vocab_size: int
 
 
 # SmolLM2-135M-Instruct: Llama architecture, grouped-query attention (9 query heads over
 # 3 KV heads), an 8,192-token context. "tiny": random weights for tests (model_runner).
 KNOWN_MODELS = {
-    "smollm2-135m": ModelShape(30, 3, 64, 8192),
-    "tiny": ModelShape(2, 2, 16, 1024),
+    "smollm2-135m": ModelShape(30, 3, 64, 8192, 49152),
+    "tiny": ModelShape(2, 2, 16, 1024, 256),
 }
 
 
@@ -68,6 +69,7 @@ def load(name: str, dtype: str = "float32") -> tuple[Any, Any]:
         config.num_key_value_heads,
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         config.max_position_embeddings,
+        config.vocab_size,
     )
     if loaded != shape:
         raise ValueError(f"model {name!r} loaded with shape {loaded}, expected {shape}")

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +36,7 @@ from workers import models
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
 from workers.digests import page_digests
 from workers.figures import WorkerFigures
-from workers.model_runner import ModelRunner, store_layout_for
+from workers.model_runner import ModelRunner, eos_token_ids, store_layout_for
 from workers.page_store import (
     PageStoreError,
     SharedPageStore,
@@ -44,6 +45,8 @@ from workers.page_store import (
 )
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
+from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
+from workers.sampling import SamplingParams
 from workers.transfer import (
     ENCRYPT_PAGES_DEFAULT,
     PageClient,
@@ -90,6 +93,17 @@ class WorkerSettings:
     dtype: str = "float32"  # the model's weights and KV pages (workers.models.DTYPES)
 
 
+class _Request(NamedTuple):
+    """A generation request, checked: what `_serve` runs."""
+
+    tokens: list[int]
+    max_new_tokens: int
+    namespace: Namespace
+    reuse: bool
+    sampling: SamplingParams
+    stops: frozenset[int]  # stop tokens: the model's EOS (unless ignored) and the caller's
+
+
 class PeerInfo(NamedTuple):
     worker_id: str
     node_id: str
@@ -131,6 +145,8 @@ class Worker:
         self.store = SharedPageStore.create(layout, tag=_tag(settings.worker_id))
         self.cache = PrefixCache(self.store, settings.cache)
         self.runner = ModelRunner(model, self.store)
+        self.context_tokens = models.model_shape(settings.model).context_tokens
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.transfer_auth = (
             None
             if settings.keypair is None
@@ -220,36 +236,104 @@ class Worker:
         adapter: str = "",
         return_logits: bool = False,
         reuse: bool = True,
+        sampling: dict[str, Any] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> dict[str, Any]:
-        """Generate greedily from `prompt`, reusing every cached prefix it can.
+        """Generate from `prompt`, reusing every cached prefix it can.
 
         Args:
             prompt: text (tokenized with the model's tokenizer) or token ids.
-            max_new_tokens: tokens to generate.
+            max_new_tokens: tokens to generate at most (an int >= 1).
             salt: the tenant's salt, set by the front door (never by the end user).
             adapter: the adapter version the KV was computed with.
             return_logits: also return the last prompt position's logits (as "logits",
                 a list of floats), for correctness checks.
             reuse: False computes the whole prompt, reusing and publishing nothing (what
                 serving would cost without kvmesh, for comparisons).
+            sampling: `SamplingParams.to_dict()` (temperature, top_p, top_k, seed); None
+                or temperature 0: greedy.
+            stop_token_ids: more tokens that end generation (returned with it).
+            ignore_eos: do not stop at the model's end-of-sequence tokens.
         Returns:
-            {"token_ids", "text", "stats": {local_hit_tokens, remote_hit_tokens,
-            computed_tokens, prompt_tokens, ttft_s, total_s, worker}}.
+            {"token_ids", "text", "finish_reason" ("stop" | "length" | "out_of_pages"),
+            "stats": {local_hit_tokens, remote_hit_tokens, computed_tokens,
+            prompt_tokens, ttft_s, total_s, worker}}.
         Raises:
-            ValueError: an empty prompt or bad max_new_tokens.
+            ValueError: an empty prompt, token ids outside the vocabulary, bad
+                max_new_tokens or sampling, or more tokens than the model's context.
             CacheFull: the request does not fit in this worker's pages.
         """
-        start = time.perf_counter()
+        request = self._request(
+            prompt, max_new_tokens, salt, adapter, reuse, sampling, stop_token_ids, ignore_eos
+        )
+        return self._serve(request, return_logits, on_token=None)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 16,
+        salt: str = "",
+        adapter: str = "",
+        reuse: bool = True,
+        sampling: dict[str, Any] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[dict[str, Any]]:
+        """`generate`, yielding `{"token_id": t}` as each token is sampled, then the whole
+        result (as `generate` returns it) as `{"result": ...}`. A Ray actor method that
+        yields streams each item to the caller as it comes.
+
+        Raises:
+            As `generate`, before the first item.
+        """
+        request = self._request(
+            prompt, max_new_tokens, salt, adapter, reuse, sampling, stop_token_ids, ignore_eos
+        )
+        sampled: queue.SimpleQueue = queue.SimpleQueue()
+        outcome: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                outcome["result"] = self._serve(request, False, on_token=sampled.put)
+            except BaseException as exc:  # re-raised in the caller's thread
+                outcome["error"] = exc
+            finally:
+                sampled.put(None)
+
+        thread = threading.Thread(target=serve, name=f"kvmesh-stream-{self.worker_id}")
+        thread.start()
+        while (token := sampled.get()) is not None:
+            yield {"token_id": token}
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        yield {"result": outcome["result"]}
+
+    def _request(
+        self, prompt, max_new_tokens, salt, adapter, reuse, sampling, stop_token_ids, ignore_eos
+    ) -> _Request:
+        """Check a request's arguments before anything is held."""
         tokens = self._tokenize(prompt)
         if not tokens:
             raise ValueError("empty prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_tokens(tokens, self.runner.vocab_size)
+        check_max_new_tokens(max_new_tokens, len(tokens), self.context_tokens)
+        params = SamplingParams.from_dict(sampling or {})
+        stops = set(check_tokens(list(stop_token_ids), self.runner.vocab_size, "stop token"))
+        if not ignore_eos:
+            stops |= self.eos_token_ids
         namespace = Namespace(self.model_name, adapter, salt)
         if not reuse:
             # A namespace of its own matches nothing, and its pages, never published,
             # leave with the request.
             namespace = namespace._replace(adapter=f"{adapter}(no reuse {next(self._private)})")
+        return _Request(tokens, max_new_tokens, namespace, reuse, params, frozenset(stops))
+
+    def _serve(self, request: _Request, return_logits: bool, on_token) -> dict[str, Any]:
+        start = time.perf_counter()
+        tokens, max_new_tokens, namespace = request[:3]
+        salt = namespace.salt
         with self._lock:
             self.active += 1
         try:
@@ -262,6 +346,7 @@ class Worker:
             try:
                 local = allocation.cached_tokens
                 copy_start = time.perf_counter()
+                reuse = request.reuse
                 computed_from = self._copy_in(allocation, tokens, namespace) if reuse else local
                 copy_s = time.perf_counter() - copy_start
                 # Admitted: hits are known now (copies validated); the rest is computed.
@@ -271,7 +356,12 @@ class Worker:
                 if computed_from > local:
                     self.figures.copy_took(copy_s)
                 result = self.runner.generate(
-                    allocation, max_new_tokens, computed_from=computed_from
+                    allocation,
+                    max_new_tokens,
+                    sampling=request.sampling,
+                    stop_token_ids=request.stops,
+                    computed_from=computed_from,
+                    on_token=on_token,
                 )
                 ttft = time.perf_counter() - start - result.decode_s
                 self.figures.first_token(ttft, reused=computed_from > 0)
@@ -284,12 +374,17 @@ class Worker:
             with self._lock:
                 self.active -= 1
                 self.requests += 1
-        text = self.tokenizer.decode(result.token_ids) if self.tokenizer is not None else ""
+        text = (
+            self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            if self.tokenizer is not None
+            else ""
+        )
         extra = {"logits": result.prefill.logits.tolist()} if return_logits else {}
         return {
             **extra,
             "token_ids": list(result.token_ids),
             "text": text,
+            "finish_reason": result.finish_reason,
             "stats": {
                 "local_hit_tokens": local,
                 "remote_hit_tokens": computed_from - local,
@@ -456,7 +551,7 @@ class Worker:
             if self.tokenizer is None:
                 raise ValueError("this worker's model has no tokenizer: pass token ids")
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        return prompt_tokens(prompt)
 
     def _measure_costs(self) -> CostModel:
         """Prefill tokens/s of this model here, page memcpy bytes/s, and loopback ZMQ

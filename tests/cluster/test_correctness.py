@@ -2,10 +2,12 @@
 
 Two simulated Ray nodes (different node ids, so copies between them take the page
 server path) and three workers: w0 and w2 on the head node, w1 on the other. For one
-prompt, greedy output tokens are identical and last-token logits match within 1e-4
-whether its prefix came from no cache, the worker's own cache, a partly matched page
-(copy-on-write), a peer on the same node, a peer on another node, or several peers at
-once. Tenants never share pages.
+prompt, greedy output tokens equal HF `generate()` on the same model, up to and with the
+end-of-sequence token it stops at, and last-token logits match within 1e-4, whether its
+prefix came from no cache, the worker's own cache, a partly matched page (copy-on-write),
+a peer on the same node, a peer on another node, or several peers at once; a seeded
+sampled generation is the same on every path too. Tenants never share pages. Bad
+requests are refused at the front door with nothing held.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import cluster
 from cluster.config import config_from_dict
 
 pytestmark = pytest.mark.slow
-NEW_TOKENS = 8
+NEW_TOKENS = 40  # the prompt's greedy answer ends (at <|im_end|>) well before this
 ATOL = 1e-4
+EOS = 2  # SmolLM2-Instruct's <|im_end|>
 
 
 @pytest.fixture(scope="module")
@@ -39,31 +42,50 @@ def mesh(ray_cluster):
     mesh.shutdown()  # conftest checks that no segment, thread or actor is left behind
 
 
+MESSAGES = [
+    {
+        "role": "system",
+        "content": "You are a careful assistant for a train company. "
+        "Answer briefly and politely. Timetables: the 7:05 to Lyon stops at Dijon; the "
+        "7:40 to Geneva is direct; the 8:15 to Marseille stops at Avignon and Nimes; "
+        "bicycles travel free on weekends; pets need a ticket at half price.",
+    },
+    {
+        "role": "user",
+        "content": "I want to go to Marseille with my dog and my bike on "
+        "Saturday morning. Which train should I take? Answer in a few words.",
+    },
+]
+
+
 @pytest.fixture(scope="module")
 def prompt(mesh):
-    messages = [
-        {
-            "role": "system",
-            "content": "You are a careful assistant for a train company. "
-            "Answer briefly and politely. Timetables: the 7:05 to Lyon stops at Dijon; the "
-            "7:40 to Geneva is direct; the 8:15 to Marseille stops at Avignon and Nimes; "
-            "bicycles travel free on weekends; pets need a ticket at half price.",
-        },
-        {
-            "role": "user",
-            "content": "I want to go to Marseille with my dog and my bike on "
-            "Saturday morning. Which train should I take, and what will it cost me extra? "
-            "Please also tell me where it stops on the way.",
-        },
-    ]
-    text = mesh.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = mesh.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     tokens = list(mesh.tokenizer.encode(text))
     assert 100 < len(tokens) < 400, len(tokens)
     return tokens
 
 
+@pytest.fixture(scope="module")
+def hf_model():
+    """The same model in this process, for HF's own `generate` as the reference."""
+    from workers.model_runner import load_smollm2
+
+    model, _ = load_smollm2()
+    return model
+
+
+def hf_greedy(model, tokens: list[int], new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([tokens]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
+        )
+    return out[0, len(tokens) :].tolist()
+
+
 def _same(result, reference) -> None:
     assert result.token_ids == reference.token_ids
+    assert result.finish_reason == reference.finish_reason
     diff = (torch.tensor(result.logits) - torch.tensor(reference.logits)).abs().max().item()
     assert diff <= ATOL, f"last-token logits differ by {diff}"
 
@@ -92,10 +114,15 @@ def test_workers_are_spread_over_the_nodes(roles):
     assert len({roles.first, roles.neighbour, roles.alone}) == 3
 
 
-def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles):
+def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles, hf_model):
     n = len(prompt)
     cold = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
     assert cold.stats["computed_tokens"] == n
+    # HF's greedy generate on the same model, stopping at the same end of sequence
+    assert cold.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert cold.finish_reason == "stop" and cold.token_ids[-1] == EOS
+    assert len(cold.token_ids) < NEW_TOKENS
+    assert "<|im_end|>" not in cold.text and cold.text.strip()
     assert cold.stats["local_hit_tokens"] == cold.stats["remote_hit_tokens"] == 0
 
     own = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
@@ -171,3 +198,93 @@ def test_routing_sends_a_prompt_to_its_holder(mesh, prompt, roles):
     routed = mesh.generate(prompt + [13], 1, tenant="f")
     assert routed.stats["worker"] == roles.alone
     assert routed.stats["local_hit_tokens"] >= len(prompt) // 16 * 16
+
+
+def test_a_seed_gives_the_same_sample_on_every_path(mesh, prompt, roles):
+    """Sampled (temperature, top-k, top-p): the same seed, the same tokens, whether the
+    prefix was computed, cached, or copied from the same node or another."""
+    sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
+    ran = [
+        mesh.generate(prompt, 12, tenant="g", worker=worker, **sampling)
+        for worker in (roles.first, roles.first, roles.neighbour, roles.alone)
+    ]
+    sources = [(r.stats["local_hit_tokens"], r.stats["remote_hit_tokens"]) for r in ran]
+    assert sources[0] == (0, 0) and sources[1][0] > 0  # cold, then its own cache
+    assert sources[2][1] > 0 and sources[3][1] > 0  # copied in
+    assert all(r.token_ids == ran[0].token_ids for r in ran), [r.token_ids for r in ran]
+    other_seed = mesh.generate(
+        prompt, 12, tenant="g", worker=roles.first, **{**sampling, "seed": 7}
+    )
+    assert other_seed.token_ids != ran[0].token_ids
+
+
+def test_ignore_eos_and_stop_tokens(mesh, prompt, roles):
+    greedy = mesh.generate(prompt, NEW_TOKENS, tenant="h", worker=roles.first)
+    stop_at = greedy.token_ids.index(greedy.token_ids[3])  # the first place that token comes
+    stopped = mesh.generate(
+        prompt, NEW_TOKENS, tenant="h", worker=roles.first, stop_token_ids=[greedy.token_ids[3]]
+    )
+    assert stopped.token_ids == greedy.token_ids[: stop_at + 1]
+    assert stopped.finish_reason == "stop"
+    past = mesh.generate(prompt, NEW_TOKENS, tenant="h", worker=roles.first, ignore_eos=True)
+    assert len(past.token_ids) == NEW_TOKENS and past.finish_reason == "length"
+    assert past.token_ids[: len(greedy.token_ids)] == greedy.token_ids  # EOS, then more
+
+
+def test_chat_applies_the_template_and_stream_hands_over_each_token(mesh, prompt, roles):
+    answer = mesh.chat(MESSAGES, NEW_TOKENS, tenant="i", worker=roles.alone)
+    assert answer.stats["prompt_tokens"] == len(prompt)  # the prompt the template makes
+    reference = mesh.generate(prompt, NEW_TOKENS, tenant="i", worker=roles.alone)
+    assert answer.token_ids == reference.token_ids and answer.text == reference.text
+
+    stream = mesh.chat(MESSAGES, NEW_TOKENS, tenant="i", worker=roles.neighbour, stream=True)
+    chunks = list(stream)
+    assert [c.token_id for c in chunks] == reference.token_ids
+    assert "".join(c.text for c in chunks) == reference.text
+    assert stream.result.token_ids == reference.token_ids
+    assert stream.result.finish_reason == "stop"
+    assert stream.result.stats["remote_hit_tokens"] > 0
+
+
+BAD_REQUESTS = [
+    ({"max_new_tokens": 2.0}, "max_new_tokens must be an int, got 2.0"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an int, got True"),
+    ({"max_new_tokens": 8192}, "exceed the model's context window of 8192 tokens"),
+    ({"prompt": [1, 2, 49152]}, r"token id 49152 \(position 2\) outside the model's vocab"),
+    ({"prompt": [1, -1]}, "token id -1"),
+    ({"prompt": [1, 2.5]}, "token id 1 is 2.5, not an int"),
+    ({"prompt": 17}, "a prompt is text or a sequence of token ids, got int"),
+    ({"tenant": "\ud800"}, "is not valid UTF-8"),
+    ({"tenant": "x" * 300}, "tenant name of 300 bytes"),
+    ({"tenant": ""}, "a tenant is a non-empty name"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": "7"}, "seed"),
+    ({"stop_token_ids": [60000]}, "stop token 60000"),
+    ({"worker": "w9"}, "unknown worker 'w9'"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_REQUESTS)
+def test_bad_requests_are_refused_at_the_front_door_holding_nothing(mesh, prompt, change, message):
+    arguments = {"prompt": prompt[:20], "max_new_tokens": 4, "tenant": "bad", **change}
+    before = {w: s["cache"] for w, s in mesh.stats()["workers"].items()}
+    with pytest.raises(ValueError, match=message):
+        mesh.generate(**arguments)
+    with pytest.raises(ValueError, match=message):
+        mesh.stream(**{k: v for k, v in arguments.items()})
+    after = {w: s["cache"] for w, s in mesh.stats()["workers"].items()}
+    assert after == before  # no query, no page held or cached anywhere
+
+
+def test_bad_chats_are_refused(mesh):
+    for messages, message in [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        ([{"role": "user"}], "exactly 'role' and 'content'"),
+        ([{"role": "user", "content": 3}], "content must be a str"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            mesh.chat(messages)

@@ -1,0 +1,125 @@
+"""Streams and chats at the front door: tokens handed over as the worker decodes them,
+and conversations turned into prompts by the model's chat template.
+
+A stream is a Ray streaming generator on the worker (`Worker.stream` yields each token
+as it is sampled); `TokenStream` iterates it, turns the tokens into text pieces, and
+keeps the whole result for when the stream ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import ray
+
+from cluster.errors import MeshError
+
+if TYPE_CHECKING:
+    from cluster.mesh import GenerateResult, Mesh, _FrontRequest
+
+
+class StreamChunk(NamedTuple):
+    """One decoded token and the text it adds to the output. The text is empty while a
+    character spans several tokens (it comes whole with the token that completes it) and
+    for special tokens such as the end of sequence."""
+
+    token_id: int
+    text: str
+
+
+class TokenStream:
+    """The tokens of one generation as they are decoded; iterate it once.
+
+    `result` is the GenerateResult (finish reason, stats) once the iteration ended, None
+    before. Leaving the loop early stops reading; the worker finishes the generation.
+    """
+
+    def __init__(self, mesh: Mesh, request: _FrontRequest, worker: str | None):
+        self._mesh = mesh
+        self._request = request
+        self._worker = worker
+        self._started = False
+        self.result: GenerateResult | None = None
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        if self._started:
+            raise RuntimeError("a TokenStream is iterated once")
+        self._started = True
+        mesh, request = self._mesh, self._request
+        while True:
+            chosen = self._worker or mesh._route(request.namespace, request.tokens)
+            if mesh.roster.is_dead(chosen):
+                raise MeshError(f"worker {chosen!r} is dead")
+            text = _Detokenizer(mesh.tokenizer)
+            yielded = False
+            try:
+                with mesh.roster.running(chosen):
+                    handle = mesh.workers[chosen]
+                    items = handle.stream.options(num_returns="streaming").remote(
+                        request.tokens, **request.arguments
+                    )
+                    for ref in items:
+                        item = ray.get(ref)
+                        if "result" in item:
+                            from cluster.mesh import _result
+
+                            self.result = _result(item["result"])
+                            return
+                        yielded = True
+                        token = item["token_id"]
+                        yield StreamChunk(token, text.add(token))
+            except ray.exceptions.RayActorError as exc:
+                mesh.roster.lost(chosen, exc)
+                if self._worker is not None or yielded:
+                    raise MeshError(f"worker {chosen!r} died during the stream: {exc}") from None
+                # routed and nothing handed over yet: run it again on a live worker
+
+
+class _Detokenizer:
+    """Text pieces for tokens decoded one at a time: each piece is what the token adds
+    to the decoded whole, held back while the whole ends inside a character."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._emitted = ""
+
+    def add(self, token: int) -> str:
+        if self._tokenizer is None:
+            return ""
+        self._tokens.append(token)
+        whole = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if whole.endswith("\ufffd") or not whole.startswith(self._emitted):
+            return ""  # a character still incomplete (or a merge that rewrote the tail)
+        piece, self._emitted = whole[len(self._emitted) :], whole
+        return piece
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], model: str) -> list[int]:
+    """The prompt tokens of a conversation under the model's chat template, with the
+    assistant's turn opened.
+
+    Raises:
+        ValueError: messages that are not a non-empty list of {"role": str, "content":
+            str} mappings, or a model without a tokenizer or chat template.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise ValueError(
+                f"message {i} must be a mapping with exactly 'role' and 'content', got {message!r}"
+            )
+        for key in ("role", "content"):
+            if not isinstance(message[key], str):
+                raise ValueError(f"message {i} {key} must be a str, got {message[key]!r}")
+        if not message["role"]:
+            raise ValueError(f"message {i} has an empty role")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model!r} has no chat template: pass a prompt to generate()")
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    # The template writes the special tokens itself; the tokenizer must not add more.
+    return list(tokenizer.encode(text, add_special_tokens=False))
