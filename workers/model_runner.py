@@ -23,6 +23,8 @@ Three copies move KV, and no others:
 
 `generate` keeps the buffer across its decode steps (each step appends one token and
 scatters that one token); `decode_step` on its own gathers the prefix again every call.
+Its tokens are chosen by a `workers.sampling.Sampler`: greedy by default, or seeded
+sampling that gives the same tokens whichever cache path the prefix KV came from.
 
 Pages at and after `cached_tokens` must be the caller's own (new or copy-on-write pages
 of its allocation, not yet published): they are written through the owner's page views
@@ -46,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -57,6 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from workers.page_store import SharedPageStore, StoreLayout
+from workers.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -191,6 +194,37 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.eval()
+
+
+def eos_token_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
+) -> frozenset[int]:
+    """The ids that end a model's turn: the stop tokens of a chat request.
+
+    The union of the model's generation config, its model config and the tokenizer's
+    `eos_token_id`, since models disagree on which of them to fill in (an instruct model
+    may name its end-of-turn token only in the generation config). Each may be an id, a
+    list of ids, or None.
+
+    Args:
+        model: a HF model.
+        tokenizer: its tokenizer, if any.
+
+    Returns:
+        The ids; empty when none of the three names one.
+    """
+    sources = (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(getattr(model, "config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    )
+    ids: set[int] = set()
+    for value in sources:
+        if value is None:
+            continue
+        values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+        ids.update(int(v) for v in values if v is not None)
+    return frozenset(ids)
 
 
 def _progress(message: str) -> None:
@@ -371,6 +405,9 @@ class GenerateResult(NamedTuple):
     finish_reason: FinishReason
     prefill: PrefillResult
     decode_s: float  # all decode steps together
+    # The sampler's seed, so a request that asked for a random one can be replayed with
+    # `SamplingParams(..., seed=seed)`; None when greedy.
+    seed: int | None = None
 
 
 def store_layout_for(
@@ -509,11 +546,10 @@ class ModelRunner:
         self,
         allocation: Allocation,
         max_new_tokens: int,
-        greedy: bool = True,
         *,
-        temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Collection[int] = (),
+        on_token: Callable[[int], None] | None = None,
         computed_from: int | None = None,
     ) -> GenerateResult:
         """Prefill an allocation's uncached tokens, then decode up to `max_new_tokens`.
@@ -525,23 +561,29 @@ class ModelRunner:
         Args:
             allocation: from `PrefixCache.acquire`: `pages`, `tokens`, `cached_tokens`.
             max_new_tokens: tokens to sample at most (0: prefill only).
-            greedy: argmax; otherwise sample from softmax(logits / temperature).
-            temperature: sampling temperature, > 0 (unused when greedy).
-            generator: RNG for sampling (unused when greedy).
-            stop_token_ids: stop after sampling one of these (it is returned).
+            sampling: how tokens are chosen; greedy when None. A seeded request gives the
+                same tokens whichever cache path its prefix KV came from.
+            stop_token_ids: stop after sampling one of these (it is returned, last).
+            on_token: called with each new token as soon as it is sampled, before the
+                next forward (for streaming). It runs under the runner's lock, so it
+                should hand the token on (to a queue) rather than wait. An exception it
+                raises ends generation and propagates; the pages then hold the KV of
+                `allocation.tokens`.
             computed_from: compute from this token on (default the allocation's
                 `cached_tokens`): pages before it hold KV copied in from peers.
 
         Returns:
-            The new tokens, why generation stopped, and the timings.
+            The new tokens, why generation stopped, the seed used, and the timings.
 
         Raises:
             ValueError: bad arguments or a bad allocation (as `prefill`).
         """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not greedy and not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        sampler = Sampler(sampling)
+        stops = frozenset(stop_token_ids)
         tokens = list(allocation.tokens)
         start_at = allocation.cached_tokens if computed_from is None else computed_from
         self._check_request(allocation.pages, tokens, start_at)
@@ -556,9 +598,11 @@ class ModelRunner:
             new_tokens: list[int] = []
             finish: FinishReason = "length"
             while len(new_tokens) < max_new_tokens:
-                token = self._sample(logits, greedy, temperature, generator)
+                token = sampler(logits)
                 new_tokens.append(token)
-                if token in stop_token_ids:
+                if on_token is not None:
+                    on_token(token)
+                if token in stops:
                     finish = "stop"
                     break
                 if len(new_tokens) == max_new_tokens:
@@ -570,7 +614,8 @@ class ModelRunner:
                 tokens.append(token)
                 logits = self._forward(buffer, tokens, position)
                 self._scatter(buffer, allocation.pages, position, position + 1)
-            return GenerateResult(new_tokens, finish, prefill, time.perf_counter() - start)
+            seed = None if sampler.params.greedy else sampler.seed
+            return GenerateResult(new_tokens, finish, prefill, time.perf_counter() - start, seed)
 
     def full_prefill_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Last-position logits `(vocab,)` of a plain forward with no cache at all: the
@@ -654,15 +699,6 @@ class ModelRunner:
             )
         assert cache.layers[0].length == len(tokens), "the model did not write every layer's KV"
         return out.logits[0, -1].float()
-
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor, greedy: bool, temperature: float, generator: torch.Generator | None
-    ) -> int:
-        if greedy:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
 
     # -- argument checks -----------------------------------------------------------------
 

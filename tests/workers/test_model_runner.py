@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,12 +29,14 @@ from workers.model_runner import (
     LayoutMismatchError,
     ModelRunner,
     ModelSpec,
+    eos_token_ids,
     load_model,
     load_smollm2,
     store_layout_for,
     tiny_llama,
 )
 from workers.page_store import SharedPageStore, StoreLayout
+from workers.sampling import SamplingParams
 
 TOL = 1e-4  # max abs logit difference allowed against a full prefill (fp32)
 PAGE = 4
@@ -156,19 +159,139 @@ def test_generate_out_of_pages_is_an_ordinary_result(tiny):
         rig.check_integrity()
 
 
-def test_sampling_is_reproducible_with_a_generator(tiny):
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """HF's own greedy `generate` (its DynamicCache, no pages): the new tokens."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("seed", "finish"), [(1, "stop"), (3, "length"), (16, "stop"), (12, "length")]
+)
+def test_greedy_generate_matches_hf_generate(tiny, seed, finish):
+    prompt = make_prompt(N, seed=seed)
+    with make_rig(tiny) as rig:
+        compute(rig, donor_for(prompt, 9))
+        allocation = rig.cache.acquire(prompt, NS)
+        assert allocation.cached_tokens == 9
+        # HF stops at the model's EOS (the tiny config's default, id 2), so the runner is
+        # told the same stop tokens.
+        stops = eos_token_ids(tiny)
+        result = rig.runner.generate(allocation, max_new_tokens=12, stop_token_ids=stops)
+        expected = hf_greedy(tiny, prompt, 12)
+        assert result.token_ids == expected
+        assert result.finish_reason == finish
+        assert (expected[-1] in stops) == (finish == "stop")
+        assert result.seed is None
+        allocation.release()
+        rig.check_integrity()
+
+
+def test_stop_token_ends_generation_as_hf_eos_does(tiny):
+    prompt = make_prompt(N, seed=1)
+    greedy = hf_greedy(tiny, prompt, 12, eos_token_id=None)
+    assert len(greedy) == 12
+    # the first token not seen before step k = 5, so it first appears there
+    k = next(i for i in range(5, 12) if greedy[i] not in greedy[:i])
+    stop = greedy[k]
+    with make_rig(tiny) as rig:
+        allocation = rig.cache.acquire(prompt, NS)
+        result = rig.runner.generate(allocation, max_new_tokens=12, stop_token_ids=[stop])
+        assert result.finish_reason == "stop"
+        assert result.token_ids == greedy[: k + 1]
+        assert result.token_ids == hf_greedy(tiny, prompt, 12, eos_token_id=stop)
+        # the stop token is returned but never run: its KV is not in the pages
+        assert allocation.tokens == prompt + greedy[:k]
+        allocation.release()
+        rig.check_integrity()
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+
+
+def test_seeded_sampling_is_the_same_cold_and_over_cached_pages(tiny):
+    """The cached run's logits come from gathered pages, not a full prefill: equal to
+    ~1e-5, not bit for bit (about 4e-6 apart here). The seeded tokens must not care."""
     prompt = make_prompt(N, seed=5)
     with make_rig(tiny) as rig:
         runs = []
-        for _ in range(2):
+        for expect_cached in (0, N - 2):  # the second run finds the first's prompt pages
             allocation = rig.cache.acquire(prompt, NS)
-            gen = torch.Generator().manual_seed(7)
-            result = rig.runner.generate(
-                allocation, 6, greedy=False, temperature=0.8, generator=gen
-            )
-            runs.append(result.token_ids)
+            assert allocation.cached_tokens == expect_cached
+            result = rig.runner.generate(allocation, 12, sampling=SAMPLING)
+            assert result.finish_reason == "length" and result.seed == SAMPLING.seed
+            runs.append(result)
+            allocation.publish(len(prompt))
             allocation.release()
-        assert runs[0] == runs[1] and len(runs[0]) == 6
+        cold, cached = runs
+        assert max_diff(cold.prefill.logits, cached.prefill.logits) < TOL
+        assert cold.token_ids == cached.token_ids and len(cold.token_ids) == 12
+        other_seed = SamplingParams.from_dict(SAMPLING.to_dict() | {"seed": 4321})
+        allocation = rig.cache.acquire(prompt, NS)
+        other = rig.runner.generate(allocation, 12, sampling=other_seed)
+        assert other.token_ids != cold.token_ids
+        allocation.release()
+        rig.check_integrity()
+
+
+def test_unseeded_sampling_reports_its_seed_for_a_replay(tiny):
+    prompt = make_prompt(N, seed=5)
+    with make_rig(tiny) as rig:
+        allocation = rig.cache.acquire(prompt, NS)
+        first = rig.runner.generate(allocation, 8, sampling=SamplingParams(temperature=1.0))
+        allocation.release()
+        allocation = rig.cache.acquire(prompt, NS)
+        replay = SamplingParams(temperature=1.0, seed=first.seed)
+        assert rig.runner.generate(allocation, 8, sampling=replay).token_ids == first.token_ids
+        allocation.release()
+        rig.check_integrity()
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop"])
+def test_on_token_streams_each_token_before_the_next_forward(tiny, stop):
+    prompt = make_prompt(N, seed=6)
+    with make_rig(tiny) as rig:
+        greedy = reference_greedy(rig.runner, prompt, 8)
+        k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])
+        stops = {greedy[k]} if stop else set()
+        allocation = rig.cache.acquire(prompt, NS)
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            # called before the token is appended and computed
+            assert allocation.tokens == prompt + seen
+            seen.append(token)
+
+        result = rig.runner.generate(allocation, 8, stop_token_ids=stops, on_token=on_token)
+        assert seen == result.token_ids
+        assert seen == (greedy[: k + 1] if stop else greedy)
+        allocation.release()
+        rig.check_integrity()
+
+
+def test_an_on_token_error_ends_generation_with_the_pages_consistent(tiny):
+    prompt = make_prompt(N, seed=7)
+
+    def on_token(token: int) -> None:
+        raise RuntimeError(f"client gone at {token}")
+
+    with make_rig(tiny) as rig:
+        allocation = rig.cache.acquire(prompt, NS)
+        with pytest.raises(RuntimeError, match="client gone"):
+            rig.runner.generate(allocation, 8, on_token=on_token)
+        assert allocation.tokens == prompt
+        held = held_kv(rig.store, allocation.pages, allocation.num_tokens)
+        assert max_diff(held, reference_kv(tiny, prompt)) < 1e-5
+        allocation.release()
         rig.check_integrity()
 
 
@@ -334,6 +457,22 @@ def test_smollm2_reuses_a_250_token_prefix(smollm2):
         )
         allocation.release()
         rig.check_integrity()
+
+
+@pytest.mark.slow
+def test_smollm2_eos_is_im_end(smollm2):
+    model, tokenizer = smollm2
+    assert eos_token_ids(model, tokenizer) == {2}
+    assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def test_eos_token_ids_unions_every_source():
+    # stand-ins holding only the attributes read: an id, a list of ids, or None in each
+    obj = SimpleNamespace
+    model = obj(generation_config=obj(eos_token_id=[2, 7]), config=obj(eos_token_id=0))
+    assert eos_token_ids(model, obj(eos_token_id=9)) == {0, 2, 7, 9}
+    assert eos_token_ids(obj(generation_config=None, config=obj(eos_token_id=None))) == set()
+    assert eos_token_ids(obj(config=obj(eos_token_id=(3, None))), obj(eos_token_id=None)) == {3}
 
 
 @pytest.fixture
