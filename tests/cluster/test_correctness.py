@@ -52,8 +52,7 @@ MESSAGES = [
     },
     {
         "role": "user",
-        "content": "I want to go to Marseille with my dog and my bike on "
-        "Saturday morning. Which train should I take? Answer in a few words.",
+        "content": "Which train goes to Marseille? Answer in a few words.",
     },
 ]
 
@@ -127,8 +126,9 @@ def test_every_source_of_a_prefix_gives_the_same_output(mesh, prompt, roles, hf_
 
     own = mesh.generate(prompt, NEW_TOKENS, tenant="a", worker=roles.first, return_logits=True)
     mesh.flush()  # the pages in the index before the other workers ask for them
-    # every full page of the prompt (the partial last one stays private to its request)
-    assert own.stats["local_hit_tokens"] == n // 16 * 16
+    # every token but the last (computed for its logits): the prompt's last page was
+    # filled by the answer's tokens and published, then matched in part (copy-on-write)
+    assert own.stats["local_hit_tokens"] == n - 1
     _same(own, cold)
 
     same_node = mesh.generate(
