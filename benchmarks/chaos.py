@@ -96,6 +96,7 @@ CONFIG = {
         "num_cpus": 1,
         "max_restarts": -1,
         "publish_interval_s": 0.2,
+        "copy_policy": "always",
     },
 }
 PREFIX_LENGTHS = (64, 80, 100, 128)  # 100: a prefix that ends inside a page

@@ -18,6 +18,7 @@ import yaml
 
 from cache_service.addresses import check_bind_host
 from cache_service.server import ServerConfig
+from workers.costs import POLICIES
 from workers.models import DTYPES, model_shape
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
@@ -97,9 +98,19 @@ class WorkersConfig:
     # restart is a new incarnation with a fresh, empty store. 0: a dead worker stays dead
     # and the others take its requests.
     max_restarts: int = 0
+    # Copy a prefix cached on peers, or recompute it (`workers.costs.POLICIES`):
+    # "measured" weighs both per request from this machine's measured prefill and link
+    # speeds; "always" / "never" force one (tests of the copy path use "always": a tiny
+    # model computes faster than any copy).
+    copy_policy: str = "measured"
 
     def __post_init__(self) -> None:
         _check_host(self.host, "workers.host")
+        if self.copy_policy not in POLICIES:
+            raise ConfigError(
+                f"workers.copy_policy {self.copy_policy!r} unknown; known: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
         if type(self.max_restarts) is not int or self.max_restarts < -1:
             raise ConfigError(
                 f"workers.max_restarts must be an int >= 0 (or -1: always), got "

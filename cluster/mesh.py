@@ -41,7 +41,6 @@ from typing import Any, NamedTuple
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from workers.sampling import SamplingParams
 
 from cache_service.actor import (
     RAY_NAMESPACE,
@@ -62,6 +61,7 @@ from cluster.streams import TokenStream, chat_prompt
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
 from workers.models import model_shape
 from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
+from workers.sampling import SamplingParams
 from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -228,6 +228,7 @@ class Mesh:
                     "host": cfg.workers.host,
                     "model": cfg.model.name,
                     "dtype": cfg.model.dtype,
+                    "copy_policy": cfg.workers.copy_policy,
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
                     "threads": cfg.workers.threads,

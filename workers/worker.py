@@ -4,11 +4,12 @@ A request's path through a worker (see also docs/structure.md):
 
 1. tokens -> `PrefixCache.acquire`: the longest prefix this worker holds, pinned; pages
    for the rest.
-2. If more of the prompt is cached elsewhere, ask the service (`match`), and copy those
-   pages in when the cost model says copying beats recomputing: straight out of the
-   holder's shared memory on the same node, from its page server across nodes; several
-   holders share the work. Each copied page is validated; the first page that fails
-   ends the copied prefix, and everything after it is recomputed.
+2. If more of the prompt is cached elsewhere, ask the service (`match`), plan which
+   holder gives which pages (`workers.copy_in`), and copy them in when that beats
+   recomputing them (`workers.costs`): straight out of the holder's shared memory on the
+   same node, from its page server across nodes; the holders are copied from at once.
+   Each copied page is validated; the first page that fails ends the copied prefix, and
+   everything after it is recomputed.
 3. The model computes the rest and decodes; `publish` makes the new full pages
    shareable, `release` unpins, and the publisher's thread tells the service a moment
    later (never on the request path: a failure to publish never fails a request).
@@ -24,6 +25,7 @@ import queue
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,27 +36,32 @@ from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from workers import models
 from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
+from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
+from workers.costs import (
+    PROFILE_FILE,
+    CopyCosts,
+    Decision,
+    PrefillProfile,
+    Share,
+    machine_key,
+    measure_links,
+    policy,
+    timed_prefill,
+)
 from workers.digests import page_digests
 from workers.figures import WorkerFigures
-from workers.model_runner import ModelRunner, eos_token_ids, store_layout_for
-from workers.page_store import (
-    PageStoreError,
-    SharedPageStore,
-    owner_alive,
-    reclaim_dead_segments,
+from workers.model_runner import (
+    ModelRunner,
+    default_cache_dir,
+    eos_token_ids,
+    store_layout_for,
 )
+from workers.page_store import SharedPageStore, reclaim_dead_segments
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
 from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
 from workers.sampling import SamplingParams
-from workers.transfer import (
-    ENCRYPT_PAGES_DEFAULT,
-    PageClient,
-    PageServer,
-    RawZmqPipe,
-    TransferAuth,
-    copy_from_peer,
-)
+from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,9 @@ class WorkerSettings:
     mesh_secret: bytes = b""
     encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
     dtype: str = "float32"  # the model's weights and KV pages (workers.models.DTYPES)
+    # Copy or recompute a request's pages cached on peers (`workers.costs.POLICIES`):
+    # "measured" weighs both by this machine's measurements; "always" / "never" force one.
+    copy_policy: str = "measured"
 
 
 class _Request(NamedTuple):
@@ -102,26 +112,6 @@ class _Request(NamedTuple):
     reuse: bool
     sampling: SamplingParams
     stops: frozenset[int]  # stop tokens: the model's EOS (unless ignored) and the caller's
-
-
-class PeerInfo(NamedTuple):
-    worker_id: str
-    node_id: str
-    shm_name: str
-    page_address: str
-    page_key: bytes | None  # its page server's CurveZMQ public key (None: no auth)
-
-
-class CostModel(NamedTuple):
-    """Measured at start: is copying a page in cheaper than recomputing its tokens?"""
-
-    prefill_tokens_per_s: float
-    shm_bytes_per_s: float
-    remote_bytes_per_s: float
-
-    def copy_pays(self, pages: int, page_bytes: int, page_tokens: int, remote: bool) -> bool:
-        rate = self.remote_bytes_per_s if remote else self.shm_bytes_per_s
-        return pages * page_bytes / rate < pages * page_tokens / self.prefill_tokens_per_s
 
 
 class Worker:
@@ -189,13 +179,20 @@ class Worker:
         self.publisher.sync()
         self.publisher.start(settings.publish_interval_s, tick=self._housekeeping)
         self.peers: dict[str, PeerInfo] = {}
-        self._attached: dict[str, SharedPageStore] = {}
-        self._page_clients: dict[str, PageClient] = {}
         self._lock = threading.Lock()
         self._private = itertools.count(1)
         self.requests = 0
         self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
-        self.cost = self._measure_costs()
+        # Copy-in: a source per peer, a pool that fetches from several holders at once, and
+        # what decides copy or recompute (measured here, refined by every copy and prefill).
+        self.copy_policy = policy(settings.copy_policy)  # an unknown name raises here
+        self.sources = Sources(settings.node_id, self.transfer_auth)
+        self.copier = CopyExecutor()
+        encrypted = self.transfer_auth is not None and self.transfer_auth.encrypt
+        self.links = measure_links(self.store.layout.page_bytes, encrypted)
+        self.profile = self._prefill_profile()
+        self.copy_decisions: Counter[str] = Counter()  # by Decision.reason
+        self.last_decision: Decision | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -216,17 +213,12 @@ class Worker:
         self.peers = new
 
     def _forget(self, peer: PeerInfo) -> None:
-        store = self._attached.pop(peer.shm_name, None)
-        if store is not None:
-            store.close()
-        client = self._page_clients.pop(peer.page_address, None)
-        if client is not None:
-            client.close()
+        self.sources.forget(peer.worker_id)
+        self.links.forget(peer.worker_id)
 
     def _detach_dead_owners(self) -> None:
         """Close attached stores whose owners died (the mapping would keep their memory)."""
-        for name in [n for n in self._attached if not owner_alive(n)]:
-            self._attached.pop(name).close()
+        self.sources.detach_dead()
 
     def generate(
         self,
@@ -363,6 +355,9 @@ class Worker:
                     computed_from=computed_from,
                     on_token=on_token,
                 )
+                self.profile.observe(
+                    len(tokens) - computed_from, computed_from, result.prefill.forward_s
+                )
                 ttft = time.perf_counter() - start - result.decode_s
                 self.figures.first_token(ttft, reused=computed_from > 0)
                 if reuse:
@@ -427,7 +422,14 @@ class Worker:
             "pages_served": self.page_server.pages_sent,
             "copies_refused": self.copies_refused,
             "page_server": self.page_server.health(),
-            "attached": sorted(self._attached),  # peers' stores mapped here, by name
+            "attached": self.sources.attached(),  # peers' stores mapped here, by name
+            "copy": {
+                "policy": self.settings.copy_policy,
+                "decisions": dict(self.copy_decisions),  # by reason
+                "last": None if self.last_decision is None else self.last_decision._asdict(),
+                "link_rates": self.links.snapshot(),
+                "prefill_profile": [list(p) for p in self.profile.points],
+            },
         }
 
     def _housekeeping(self) -> None:
@@ -445,23 +447,23 @@ class Worker:
         self.figures.check_integrity()
         self.store.check_integrity()
         self.page_server.check_integrity()
+        self.links.check_integrity()
+        self.profile.check_integrity()
 
     def shutdown(self) -> None:
         """Leave the service, stop serving pages, unlink the page store (idempotent)."""
         self.publisher.stop(bye=True)
         self.page_server.stop()
-        for client in self._page_clients.values():
-            client.close()
-        for store in self._attached.values():
-            store.close()
-        self._attached.clear()
+        self.copier.close()
+        self.sources.close()
         self.client.close()
         self.store.close()
 
     # ------------------------------------------------------------------ internals
 
     def _copy_in(self, allocation, tokens: list[int], namespace: Namespace) -> int:
-        """Copy what peers hold beyond our own prefix; returns where computing starts."""
+        """Copy what peers hold beyond our own prefix when that beats computing it;
+        returns where computing starts."""
         local = allocation.cached_tokens
         p = self.cache.page_tokens
         self._detach_dead_owners()
@@ -472,79 +474,59 @@ class Worker:
         except ServiceUnavailable:
             return local  # no service: a miss, not an error
         first, end = local // p, min(matched, len(tokens) - 1) // p
-        if end <= first:
+        page_bytes = self.store.layout.page_bytes
+        links = {
+            s.worker_id: self.links.link(s.worker_id, self._remote(s.worker_id))
+            for s in spans
+            if s.worker_id in self.peers
+        }
+        tasks = plan_copy(spans, first, end, links, page_bytes)
+        if not tasks:
             return local
-        plan = self._plan(spans, first, end)
-        if not plan:
+        costs = CopyCosts(
+            tuple(Share(t.holder, len(t.page_ids)) for t in tasks),
+            links,
+            page_bytes,
+            p,
+            len(tokens),
+            local,
+        )
+        decision = self.copy_policy(costs, self.profile)
+        with self._lock:
+            self.copy_decisions[decision.reason] += 1
+            self.last_decision = decision
+        if not decision.copy:
             return local
+        tasks = tasks[: decision.tasks]
+        plan = CopyPlan(tasks, first, tasks[-1].end, decision.copy_s, decision.recompute_s)
         # What each page must hold: a copy is used only if its holder recorded the same
         # digest (namespace, KV format, token chain) when it published the page.
-        expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
-        copied_to = first
-        for holder, pages, gens, page_range in plan:
-            peer = self.peers[holder]
-            targets = allocation.pages[page_range[0] : page_range[1]]
-            remote = peer.node_id != self.settings.node_id
-            if not self.cost.copy_pays(len(pages), self.store.layout.page_bytes, p, remote):
-                break
-            digests = expected[page_range[0] : page_range[1]]
-            valid = self._fetch(peer, pages, gens, digests, targets, remote)
-            self.figures.copied(len(pages) * self.store.layout.page_bytes, remote)
-            self.copies_refused += valid.count(False)
-            good = next((i for i, ok in enumerate(valid) if not ok), len(valid))
-            copied_to = page_range[0] + good
-            if good < len(valid):
-                break  # a changed or foreign page ends the usable prefix: recompute from there
-        return max(local, min(copied_to * p, len(tokens) - 1))
+        expected = page_digests(namespace, self.store.kv_format, tokens[: plan.end * p], p)
+        sources = {t.holder: self.sources.get(self.peers[t.holder]) for t in tasks}
+        outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
+        for result in outcome.results:
+            remote = sources[result.task.holder].remote
+            nbytes = len(result.valid) * page_bytes
+            self.figures.copied(nbytes, remote)
+            self.copies_refused += result.valid.count(False)
+            if all(result.valid):  # a refused page may never have moved: no rate from it
+                self.links.observe(result.task.holder, remote, nbytes, result.seconds)
+        return max(local, min(outcome.end * p, len(tokens) - 1))
 
-    def _plan(self, spans, first: int, end: int) -> list[tuple[str, list, list, tuple]]:
-        """Split pages [first, end) among holders: same-node holders first, and the range
-        shared evenly between the holders that cover it (several peers at once)."""
-        usable = [s for s in spans if s.worker_id in self.peers and len(s.page_ids) > first]
-        if not usable:
-            return []
-        local_node = [s for s in usable if self.peers[s.worker_id].node_id == self.settings.node_id]
-        holders = local_node or usable
-        reach = max(len(s.page_ids) for s in holders)
-        end = min(end, reach)
-        plan = []
-        page = first
-        while page < end:
-            covering = [s for s in holders if len(s.page_ids) > page]
-            stop = min(end, min(len(s.page_ids) for s in covering))
-            share = -(-(stop - page) // len(covering))
-            for span in covering:
-                if page >= stop:
-                    break
-                upto = min(stop, page + share)
-                plan.append(
-                    (
-                        span.worker_id,
-                        list(span.page_ids[page:upto]),
-                        list(span.generations[page:upto]),
-                        (page, upto),
-                    )
-                )
-                page = upto
-        return plan
+    def _remote(self, worker_id: str) -> bool:
+        return self.peers[worker_id].node_id != self.settings.node_id
 
-    def _fetch(self, peer: PeerInfo, pages, gens, digests, targets, remote: bool) -> list[bool]:
-        if remote:
-            client = self._page_clients.get(peer.page_address)
-            if client is None:
-                client = self._page_clients[peer.page_address] = PageClient(
-                    peer.page_address, auth=self.transfer_auth, server_key=peer.page_key
-                )
-            return client.fetch(pages, gens, self.store, targets, digests=digests)
-        try:
-            store = self._attached.get(peer.shm_name)
-            if store is None:
-                store = self._attached[peer.shm_name] = SharedPageStore.attach(peer.shm_name)
-            return copy_from_peer(store, pages, gens, self.store, targets, digests=digests)
-        except (PageStoreError, FileNotFoundError, ValueError) as exc:
-            log.warning("copy from %s failed: %s", peer.worker_id, exc)
-            self._attached.pop(peer.shm_name, None)
-            return [False] * len(pages)
+    def _prefill_profile(self) -> PrefillProfile:
+        """This model's prefill curve on this machine: measured once (at most 1024 tokens,
+        or what the model takes) and kept under the model's cache directory; the tiny test
+        model's (random weights) only in this process."""
+        key = machine_key(self.model_name, torch.get_num_threads())
+        path = None
+        if self.model_name != "tiny":
+            path = default_cache_dir().parent / self.model_name / PROFILE_FILE
+        limit = getattr(self.runner.model.config, "max_position_embeddings", None)
+        prefill = timed_prefill(self.runner.full_prefill_logits, self.runner.vocab_size)
+        return PrefillProfile.cached(path, key, prefill, max_tokens=limit)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -552,33 +534,6 @@ class Worker:
                 raise ValueError("this worker's model has no tokenizer: pass token ids")
             return list(self.tokenizer.encode(prompt))
         return prompt_tokens(prompt)
-
-    def _measure_costs(self) -> CostModel:
-        """Prefill tokens/s of this model here, page memcpy bytes/s, and loopback ZMQ
-        bytes/s for page-sized frames."""
-        probe = list(range(1, 33))
-        start = time.perf_counter()
-        self.runner.full_prefill_logits(probe)
-        prefill_tps = len(probe) / (time.perf_counter() - start)
-        page = self.store.page(0)
-        scratch = torch.empty_like(page)
-        start = time.perf_counter()
-        for _ in range(4):
-            scratch.copy_(page)
-        shm_bps = 4 * self.store.layout.page_bytes / (time.perf_counter() - start)
-        # A bare ZMQ transfer of a few pages over loopback TCP, encrypted when page copies
-        # are: what a page-server fetch costs at best (the page server reaches that rate).
-        encrypted = self.transfer_auth is not None and self.transfer_auth.encrypt
-        pipe = RawZmqPipe(
-            8 * self.store.layout.page_bytes, self.store.layout.page_bytes, curve=encrypted
-        )
-        try:
-            start = time.perf_counter()
-            pipe.transfer()
-            remote_bps = 8 * self.store.layout.page_bytes / (time.perf_counter() - start)
-        finally:
-            pipe.close()
-        return CostModel(prefill_tps, shm_bps, remote_bps)
 
 
 def _tag(worker_id: str) -> str:

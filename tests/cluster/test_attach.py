@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 TINY = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 64},
-    "workers": {"count": 2, "threads": 1},
+    "workers": {"count": 2, "threads": 1, "copy_policy": "always"},
 }
 PROMPT = list(range(3, 51))  # 48 tokens: exactly three 16-token pages
 NEW_TOKENS = 4

@@ -37,7 +37,7 @@ TENANTS = ("acme", "globex")
 CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 24},
-    "workers": {"count": 2, "threads": 1},
+    "workers": {"count": 2, "threads": 1, "copy_policy": "always"},
 }
 
 

@@ -395,6 +395,7 @@ def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, 
     config = hosts.logs / "cut.yaml"
     cfg = yaml.safe_load(MULTINODE.read_text())
     cfg["model"] = {"name": "tiny"}
+    cfg["workers"]["copy_policy"] = "always"  # the tiny model computes faster than a copy
     cfg["store"]["num_pages"] = 128
     cfg["service"]["liveness_timeout_s"] = LIVENESS_S
     config.write_text(yaml.safe_dump(cfg))

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 128},
-    "workers": {"count": 2, "threads": 1, "num_cpus": 1},
+    "workers": {"count": 2, "threads": 1, "num_cpus": 1, "copy_policy": "always"},
 }
 PROMPT = [(13 * j) % 250 + 1 for j in range(30 * 16 + 5)]  # 30 full pages
 KILL_AFTER = 100_000  # reply bytes that reach the copier: about 12 of the 30 pages

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 128},
-    "workers": {"count": 3, "threads": 1, "num_cpus": 0.5},
+    "workers": {"count": 3, "threads": 1, "num_cpus": 0.5, "copy_policy": "always"},
 }
 PROMPT_TOKENS = 48  # three 16-token pages
 NEW_TOKENS = 4

@@ -32,6 +32,7 @@ CONFIG = {
         "num_cpus": 0.25,
         "max_restarts": -1,
         "publish_interval_s": 0.2,
+        "copy_policy": "always",
     },
 }
 PROMPT = [(5 * i + 1) % 250 + 1 for i in range(40)]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 256},
-    "workers": {"count": 2, "threads": 1, "publish_interval_s": 0.2},
+    "workers": {"count": 2, "threads": 1, "publish_interval_s": 0.2, "copy_policy": "always"},
 }
 NEW_TOKENS = 2
 

@@ -29,7 +29,7 @@ def tiny_config(**security) -> object:
             "model": {"name": "tiny"},
             "cache": {"page_tokens": 4},
             "store": {"num_pages": 64},
-            "workers": {"count": 2, "threads": 1},
+            "workers": {"count": 2, "threads": 1, "copy_policy": "always"},
             "security": security,
         }
     )

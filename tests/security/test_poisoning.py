@@ -132,7 +132,12 @@ def mesh(request, ray_local):
             "cache": {"page_tokens": 4},
             "store": {"num_pages": 128},
             # Heartbeats every minute: the real w0 does not repair the forgery in between.
-            "workers": {"count": 2, "threads": 1, "publish_interval_s": 60.0},
+            "workers": {
+                "count": 2,
+                "threads": 1,
+                "publish_interval_s": 60.0,
+                "copy_policy": "always",
+            },
             "security": {"auth": request.param == "auth"},
         }
     )

@@ -22,7 +22,13 @@ def service():
     server.index.check_integrity()
 
 
-def _worker(service, worker_id: str, node: str, pages: int = 64) -> Worker:
+def _worker(
+    service, worker_id: str, node: str, pages: int = 64, copy_policy: str = "always"
+) -> Worker:
+    # These tests check what a copy delivers, so they copy whatever is cached. The measured
+    # policy would rightly recompute some of them: the tiny model prefills 40 tokens in
+    # less time than a loopback page-server round trip takes (tests/workers/test_costs.py
+    # checks that decision).
     settings = WorkerSettings(
         worker_id=worker_id,
         node_id=node,
@@ -32,6 +38,7 @@ def _worker(service, worker_id: str, node: str, pages: int = 64) -> Worker:
         cache=PrefixCacheConfig(page_tokens=P),
         service_address=service.address,
         publish_interval_s=60.0,
+        copy_policy=copy_policy,
     )
     return Worker(settings, model=tiny_llama(), tokenizer=None)
 
@@ -84,6 +91,7 @@ def test_prefix_served_locally_then_from_peers(trio):
 
     other_node = c.generate(prompt + [5], 6, return_logits=True)  # over a's page server
     assert other_node["stats"]["remote_hit_tokens"] == 40
+    assert c.stats()["copy"]["decisions"] == {"policy always": 1}
     _check(other_node, _expected(c, prompt + [5]))
     assert a.page_server.pages_sent > 0
 
