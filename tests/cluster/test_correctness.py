@@ -155,7 +155,9 @@ def test_partly_matched_page_is_copied_on_write(mesh, prompt, roles):
     cut = len(prompt) - 7
     assert cut % 16 not in (0, 15)
     variant = prompt[:cut] + mesh.tokenizer.encode(" Thanks!")
-    mesh.generate(prompt, 1, tenant="b", worker=roles.first)
+    # 16 tokens past the prompt fill its last page, so that page is published whole: the
+    # variant then matches its first token and copies the page on write
+    mesh.generate(prompt, 16, tenant="b", worker=roles.first, ignore_eos=True)
     cold = mesh.generate(
         variant, NEW_TOKENS, tenant="b-fresh", worker=roles.first, return_logits=True
     )
