@@ -6,9 +6,10 @@ through Ray (actor arguments, so a restarted actor gets the same ones). The serv
 each client's public key to an `Identity`:
 
 - a worker (role "worker", bound to one worker id) may register, heartbeat, publish
-  events, resync and say BYE only for that id, and may match (as itself) and route;
-- the front door (role "front_door") may match, route, read stats, name tenants and
-  report a worker dead, and never publish;
+  events, resync and say BYE only for that id, and may match (as itself), route and
+  look up its peers' entries;
+- the front door (role "front_door") may match, route, read stats, name tenants, look
+  up workers' entries and report a worker dead, and never publish;
 - an unknown key is refused before any of its messages is read (ZAP).
 
 Page servers admit the workers of the same mesh only (see `workers.transfer`). The mesh
@@ -28,6 +29,8 @@ import zmq
 
 from cache_service.messages import (
     Bye,
+    GetPeer,
+    GetPeers,
     GetStats,
     Heartbeat,
     Match,
@@ -81,19 +84,32 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
 
 
 # What each role may send at all; `allowed` adds whom it may speak for.
-_WORKER_REQUESTS = (Register, Heartbeat, PublishEvents, Resync, Bye, Match, Route)
-_FRONT_DOOR_REQUESTS = (Match, Route, GetStats, ReportDead, NameTenant)
+_WORKER_REQUESTS = (
+    Register,
+    Heartbeat,
+    PublishEvents,
+    Resync,
+    Bye,
+    Match,
+    Route,
+    GetPeer,
+    GetPeers,
+)
+_FRONT_DOOR_REQUESTS = (Match, Route, GetStats, ReportDead, NameTenant, GetPeer, GetPeers)
+# Reads that a worker may make about any worker: routing, and how to reach its peers.
+_WORKER_READS = (Route, GetPeer, GetPeers)
 
 
 def allowed(speaker: Identity, request: Request) -> bool:
     """Whether `speaker` may send `request`.
 
     A worker may register, heartbeat, publish, resync and say BYE only for the worker id
-    its key is bound to, match as itself (or anonymously) and route; the front door may
-    match (anonymously) and route, read stats, name tenants and report a worker dead.
+    its key is bound to, match as itself (or anonymously), route and look up peers; the
+    front door may match (anonymously) and route, read stats, name tenants, look up
+    workers and report a worker dead.
     """
     if speaker.role == WORKER and isinstance(request, _WORKER_REQUESTS):
-        if isinstance(request, Route):
+        if isinstance(request, _WORKER_READS):
             return True
         if isinstance(request, Match):
             return request.requester in (None, speaker.worker_id)

@@ -27,6 +27,8 @@ class Register(NamedTuple):
     node_id: str
     tier: str  # the memory tier its pages live in, e.g. "cpu" or "gpu"
     address: str  # its page server, for peers on other nodes; "" if none
+    shm_name: str  # its shared-memory page store, for peers on its node; "" if none
+    page_key: bytes | None  # its page server's CurveZMQ public key (z85); None: no auth
 
 
 # Bucket bounds (seconds) of the histograms a worker reports; its counts follow them.
@@ -155,6 +157,19 @@ class ReportDead(NamedTuple):
     worker_id: str
 
 
+class GetPeer(NamedTuple):
+    """How to reach a live worker's pages: its entry as it registered (see PeerEntry)."""
+
+    worker_id: str
+
+
+class GetPeers(NamedTuple):
+    """One page of the live workers' entries, in worker id order, after `after` ("": from
+    the first)."""
+
+    after: str
+
+
 class NameTenant(NamedTuple):
     """The front door tells the service the name of a tenant's salt, for the statistics
     (which show names, never salts)."""
@@ -264,6 +279,29 @@ class Ack(NamedTuple):
     """The answer to Bye, ReportDead and NameTenant: done."""
 
 
+class PeerEntry(NamedTuple):
+    """A live worker as its peers reach it (the answer to GetPeer): what its current
+    incarnation sent at Register, under the epoch the service issued it. A worker that
+    restarts registers again, and its entry is replaced; one that leaves, dies or goes
+    silent has none."""
+
+    worker_id: str
+    epoch: int
+    node_id: str
+    tier: str
+    address: str  # its page server; "" if none
+    shm_name: str  # its shared-memory page store; "" if none
+    page_key: bytes | None  # its page server's public key (z85); None: no auth
+
+
+class PeerList(NamedTuple):
+    """The answer to GetPeers: up to a page of entries in worker id order; `more` when
+    entries after the last one are left for the next GetPeers (after its worker id)."""
+
+    peers: tuple[PeerEntry, ...]
+    more: bool
+
+
 class ErrorReply(NamedTuple):
     """The answer to a request that failed: a code for programs, a message for people."""
 
@@ -282,6 +320,8 @@ Request = (
     | Bye
     | ReportDead
     | NameTenant
+    | GetPeer
+    | GetPeers
 )
 Reply = (
     Registered
@@ -292,5 +332,7 @@ Reply = (
     | RouteDecision
     | StatsReply
     | Ack
+    | PeerEntry
+    | PeerList
     | ErrorReply
 )

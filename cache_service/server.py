@@ -44,17 +44,21 @@ from prometheus_client import CollectorRegistry
 from cache_service import metrics, protocol, zap
 from cache_service.addresses import check_bind_host
 from cache_service.auth import Identity, ServerKeys, allowed
-from cache_service.index import GlobalIndex, RegistryFull, StaleEpoch
+from cache_service.index import GlobalIndex, PeerAddress, RegistryFull, StaleEpoch
 from cache_service.messages import (
     Ack,
     ApplyResult,
     Bye,
     EpochReply,
+    GetPeer,
+    GetPeers,
     GetStats,
     Heartbeat,
     Match,
     MatchResult,
     NameTenant,
+    PeerEntry,
+    PeerList,
     PublishEvents,
     Register,
     Registered,
@@ -75,7 +79,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Server-side error codes, beside the codec's own.
-UNKNOWN_WORKER = "unknown_worker"  # heartbeat from a worker the index does not know: register
+# A heartbeat from a worker the index does not know (register), or GetPeer of one.
+UNKNOWN_WORKER = "unknown_worker"
 REJECTED = "rejected"  # well-formed but refused by the index (e.g. a 257th tier)
 FORBIDDEN = "forbidden"  # the sender's identity may not send this request
 STALE_EPOCH = "stale_epoch"  # BYE with another epoch than the worker's current one
@@ -83,6 +88,8 @@ REGISTRY_FULL = "registry_full"  # max_workers registered, each holding pages
 
 # Requests answered per wakeup before the loop looks at its clock and control queue again.
 _DRAIN = 256
+# Entries per GetPeers reply: a few hundred KiB at most, well inside a frame's bounds.
+PEERS_PER_PAGE = 256
 _servers = itertools.count()
 
 
@@ -193,7 +200,16 @@ class ServiceServer:
             Bye: self._bye,
             ReportDead: self._report_dead,
             NameTenant: self._name_tenant,
+            GetPeer: self._peer,
+            GetPeers: self._peers,
         }
+        # A worker's page server uses the worker's key pair: the key a worker may
+        # advertise for it (see `_register`).
+        self._worker_keys = (
+            {}
+            if keys is None
+            else {who.worker_id: key for key, who in keys.clients.items() if who.worker_id}
+        )
 
     @property
     def address(self) -> str:
@@ -464,8 +480,18 @@ class ServiceServer:
     # ------------------------------------------------------------------ handlers
 
     def _register(self, request: Register) -> Registered:
+        if self.keys is not None and request.page_key not in (
+            None,
+            self._worker_keys.get(request.worker_id),
+        ):
+            # Peers would trust this key as the worker's page server: only its own will do.
+            raise ProtocolError(
+                FORBIDDEN,
+                f"worker {request.worker_id!r} may advertise only its own key for its page server",
+            )
+        peer = PeerAddress(request.address, request.shm_name, request.page_key)
         registration = self.index.register(
-            request.worker_id, request.node_id, request.tier, now=self._clock()
+            request.worker_id, request.node_id, request.tier, now=self._clock(), peer=peer
         )
         return Registered(self.epoch, registration.epoch)
 
@@ -530,6 +556,18 @@ class ServiceServer:
     def _name_tenant(self, request: NameTenant) -> Ack:
         self.index.name_tenant(request.salt, request.name)
         return Ack()
+
+    def _peer(self, request: GetPeer) -> PeerEntry:
+        entry = self.index.peer(request.worker_id)
+        if entry is None:
+            raise ProtocolError(
+                UNKNOWN_WORKER, f"worker {request.worker_id!r} is not registered (or left)"
+            )
+        return entry
+
+    def _peers(self, request: GetPeers) -> PeerList:
+        entries, more = self.index.peers(request.after, PEERS_PER_PAGE)
+        return PeerList(tuple(entries), more)
 
 
 def _check_allowed(speaker: Identity | None, request: Request) -> None:

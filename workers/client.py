@@ -34,11 +34,14 @@ from cache_service.messages import (
     EMPTY_REPORT,
     ApplyResult,
     Bye,
+    GetPeer,
+    GetPeers,
     GetStats,
     Heartbeat,
     Match,
     MatchResult,
     NameTenant,
+    PeerEntry,
     PublishEvents,
     Register,
     Registered,
@@ -211,14 +214,31 @@ class ServiceClient:
     # ------------------------------------------------------------------ requests
 
     def register(
-        self, worker_id: str, node_id: str, tier: str = "cpu", address: str = ""
+        self,
+        worker_id: str,
+        node_id: str,
+        tier: str = "cpu",
+        address: str = "",
+        shm_name: str = "",
+        page_key: bytes | None = None,
     ) -> Registered:
-        """Register a new incarnation of this worker.
+        """Register a new incarnation of this worker, with how its peers reach its pages.
+
+        Args:
+            worker_id, node_id, tier: who and where it is, and where its pages live.
+            address: its page server, for peers on other nodes ("" if none).
+            shm_name: its shared-memory page store, for peers on its node ("" if none).
+            page_key: its page server's CurveZMQ public key (z85, as `KeyPair.public`);
+                None when page reads are not authenticated.
 
         Returns:
             Registered(service_epoch, epoch): the epoch to carry on every later message.
+
+        Raises:
+            ServiceError: code "forbidden" when the service authenticates and `page_key`
+                is not this worker's own key.
         """
-        return self.call(Register(worker_id, node_id, tier, address))
+        return self.call(Register(worker_id, node_id, tier, address, shm_name, page_key))
 
     def heartbeat(
         self, worker_id: str, epoch: int, load: float = 0.0, report: WorkerReport = EMPTY_REPORT
@@ -269,6 +289,31 @@ class ServiceClient:
             ServiceError: code "stale_epoch" when `epoch` is not the worker's current one.
         """
         self.call(Bye(worker_id, epoch))
+
+    def peer(self, worker_id: str) -> PeerEntry | None:
+        """How to reach a worker's pages, as its current incarnation registered.
+
+        Returns:
+            Its PeerEntry, or None when the service knows no live worker of that id
+            (never registered, or left, died or went silent).
+        """
+        try:
+            return self.call(GetPeer(worker_id))
+        except ServiceError as exc:
+            if exc.code == "unknown_worker":
+                return None
+            raise
+
+    def peers(self) -> list[PeerEntry]:
+        """Every live worker's entry, in worker id order (asked for a page at a time)."""
+        entries: list[PeerEntry] = []
+        after = ""
+        while True:
+            page = self.call(GetPeers(after))
+            entries.extend(page.peers)
+            if not page.more or not page.peers:
+                return entries
+            after = page.peers[-1].worker_id
 
     def report_dead(self, worker_id: str) -> None:
         """(Front door) a worker died: the service drops it and its holdings at once."""

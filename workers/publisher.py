@@ -44,6 +44,9 @@ class EventPublisher:
         cache: the worker's local prefix cache.
         worker_id, node_id, tier, address: how the worker registers; `address` is its
             page server, where peers on other nodes read pages.
+        shm_name: its shared-memory page store, which peers on its node attach to.
+        page_key: its page server's public key (z85); None when page reads are not
+            authenticated. The service hands these to peers (`ServiceClient.peer`).
         load: the worker's current load, sent with each heartbeat.
         report: the worker's figures, sent with each heartbeat (for the service's metrics).
         on_new_service: called when a new service incarnation answered (its epoch changed),
@@ -58,6 +61,8 @@ class EventPublisher:
         node_id: str,
         tier: str = "cpu",
         address: str = "",
+        shm_name: str = "",
+        page_key: bytes | None = None,
         load: Callable[[], float] = lambda: 0.0,
         report: Callable[[], WorkerReport] = lambda: EMPTY_REPORT,
         on_new_service: Callable[[], None] = lambda: None,
@@ -68,6 +73,8 @@ class EventPublisher:
         self.node_id = node_id
         self.tier = tier
         self.address = address
+        self.shm_name = shm_name
+        self.page_key = page_key
         self._load = load
         self._report = report
         self._on_new_service = on_new_service
@@ -181,7 +188,9 @@ class EventPublisher:
                     log.exception("worker %s: publisher round failed", self.worker_id)
 
     def _register_and_resync(self) -> None:
-        registered = self.client.register(self.worker_id, self.node_id, self.tier, self.address)
+        registered = self.client.register(
+            self.worker_id, self.node_id, self.tier, self.address, self.shm_name, self.page_key
+        )
         moved = self.service_epoch is not None and registered.service_epoch != self.service_epoch
         self.service_epoch, self.epoch, self.seq = registered.service_epoch, registered.epoch, 0
         if moved:

@@ -172,6 +172,8 @@ class Worker:
             settings.worker_id,
             settings.node_id,
             address=self.page_server.address,
+            shm_name=self.store.name,
+            page_key=None if keys is None else keys.public,
             load=self.load,
             report=lambda: self.figures.report(self.cache.stats()),
             on_new_service=self.client.reconnect,

@@ -20,7 +20,7 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 - `walk`: the match walk, by runs of consecutive node ids;
 - `holders`: who holds each node, in four inline columns and a side dict;
 - `chains`: storing and dropping workers' chains of pages;
-- `registry`: workers, slots, tiers, liveness, reverse page maps;
+- `registry`: workers, slots, tiers, liveness, reverse page maps, peer entries;
 - `tallies`: hit statistics per tenant and per requester;
 - `integrity`: every invariant, checked in full;
 - `global_index`: the facade (events, match, route, stats), owned by one thread.
@@ -29,8 +29,15 @@ The index is plain Python and numpy: no Ray, ZMQ or torch.
 """
 
 from cache_service.index.global_index import GlobalIndex, OwnerError, StaleEpoch
-from cache_service.index.registry import Registration, RegistryFull, WorkerInfo
-from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
+from cache_service.index.registry import PeerAddress, Registration, RegistryFull, WorkerInfo
+from cache_service.messages import (
+    ApplyResult,
+    HolderSpan,
+    MatchResult,
+    PackedSpan,
+    PeerEntry,
+    RouteDecision,
+)
 
 __all__ = [
     "ApplyResult",
@@ -39,6 +46,8 @@ __all__ = [
     "MatchResult",
     "OwnerError",
     "PackedSpan",
+    "PeerAddress",
+    "PeerEntry",
     "Registration",
     "RegistryFull",
     "RouteDecision",

@@ -22,6 +22,9 @@ from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
 from cache_service.index.registry import (
+    NO_PEER_ADDRESS,
+    Z85_KEY_CHARS,
+    PeerAddress,
     Registration,
     Registry,
     RegistryFull,
@@ -31,7 +34,14 @@ from cache_service.index.registry import (
 from cache_service.index.routing import choose_worker, live_candidates
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.index.walk import walk
-from cache_service.messages import ApplyResult, HolderSpan, MatchResult, PackedSpan, RouteDecision
+from cache_service.messages import (
+    ApplyResult,
+    HolderSpan,
+    MatchResult,
+    PackedSpan,
+    PeerEntry,
+    RouteDecision,
+)
 from cache_service.tokens import TokenInput, as_packed
 
 _new_tuple = tuple.__new__
@@ -124,7 +134,12 @@ class GlobalIndex:
     # ---- workers -------------------------------------------------------------------------
 
     def register(
-        self, worker_id: str, node_id: str, tier: str = "cpu", now: float | None = None
+        self,
+        worker_id: str,
+        node_id: str,
+        tier: str = "cpu",
+        now: float | None = None,
+        peer: PeerAddress = NO_PEER_ADDRESS,
     ) -> Registration:
         """Register a new incarnation of a worker, issue its epoch, and mark it alive.
 
@@ -137,16 +152,20 @@ class GlobalIndex:
             node_id: the cluster node the worker runs on.
             tier: the memory tier its pages live in (reported on its spans).
             now: the current time in seconds (default: time.monotonic()).
+            peer: how peers read its pages (page server, shared-memory store, key); it
+                replaces the entry of any earlier incarnation (see `peer`).
 
         Returns:
             A Registration with the new epoch; the next event batch carries seq 1.
 
         Raises:
-            ValueError: 256 other tiers in use.
+            ValueError: 256 other tiers in use, or `peer`'s key is not None nor a z85
+                key; nothing changed then.
             RegistryFull: max_workers registered, each holding pages.
         """
         self._own()
         now = time.monotonic() if now is None else now
+        peer = _checked_peer(peer)
         worker = self._registry.get(worker_id)
         tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
         if worker is None and self._registry.full():
@@ -161,12 +180,13 @@ class GlobalIndex:
         self._last_epoch += 1
         dropped = 0
         if worker is None:
-            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code)
+            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code, peer)
         else:
             dropped = self._chains.drop_all(worker)
             self._registry.release_tier(worker.tier)
             worker.epoch, worker.last_seq, worker.desynced = self._last_epoch, 0, False
         worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
+        worker.peer = peer
         return Registration(worker_id, worker.epoch, 0, dropped)
 
     def heartbeat(self, worker_id: str, epoch: int, now: float | None = None) -> bool:
@@ -237,6 +257,21 @@ class GlobalIndex:
         self._own()
         worker = self._registry.get(worker_id)
         return None if worker is None else self._registry.info(worker)
+
+    def peer(self, worker_id: str) -> PeerEntry | None:
+        """How peers reach a live worker's pages, as its current incarnation registered;
+        None when it is not registered (never, or removed, dead or expired)."""
+        self._own()
+        worker = self._registry.get(worker_id)
+        return None if worker is None else self._registry.entry(worker)
+
+    def peers(self, after: str = "", limit: int = 256) -> tuple[list[PeerEntry], bool]:
+        """Up to `limit` live workers' entries in worker id order, those after `after` ("":
+        from the first), and whether more follow."""
+        self._own()
+        if limit < 1:
+            raise ValueError(f"limit must be positive, got {limit}")
+        return self._registry.entries(after, limit)
 
     # ---- events --------------------------------------------------------------------------
 
@@ -491,6 +526,17 @@ def _checked(namespace: Namespace, tokens: TokenInput) -> bytes:
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     return as_packed(tokens)
+
+
+def _checked_peer(peer: PeerAddress) -> PeerAddress:
+    address, shm_name, page_key = peer
+    if type(address) is not str or type(shm_name) is not str:
+        raise TypeError(f"a peer's address and store name are str, got {peer!r:.80}")
+    if page_key is not None and (type(page_key) is not bytes or len(page_key) != Z85_KEY_CHARS):
+        raise ValueError(
+            f"a page key is a {Z85_KEY_CHARS}-char z85 key or None, got {page_key!r:.20}"
+        )
+    return PeerAddress(address, shm_name, page_key)
 
 
 def _span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:

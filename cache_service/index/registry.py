@@ -1,9 +1,13 @@
-"""The workers the index knows: registrations, slots, tiers, liveness, reverse page maps.
+"""The workers the index knows: registrations, slots, tiers, liveness, reverse page maps,
+and the entries peers reach them by.
 
 Each live worker has a slot, its number in the holder columns (int16; a removed worker's
 slot is reused), and a page map from its own page ids to the nodes it holds them as, so
-its events name pages by the ids of its page store. Everything here is bounded: at most
-`max_workers` registrations, and tier names are forgotten with their last worker.
+its events name pages by the ids of its page store. Its peer entry (page server address,
+shared-memory store name, page server key) is what its current incarnation sent at
+register: replaced when it registers again, gone with its registration. Everything here
+is bounded: at most `max_workers` registrations, one entry each (its strings bounded by
+the codec), and tier names are forgotten with their last worker.
 """
 
 from __future__ import annotations
@@ -12,12 +16,25 @@ from array import array
 from typing import NamedTuple
 
 from cache_service.index.nodes import NONE
+from cache_service.messages import PeerEntry
 
 MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
 MAX_TIERS = 256  # tier names in use at once
 # Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
 # is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
 _DENSE_PAGE_LIMIT = 1 << 22
+Z85_KEY_CHARS = 40  # a CurveZMQ public key as the mesh hands keys out
+
+
+class PeerAddress(NamedTuple):
+    """Where a worker's pages are read, as it registered."""
+
+    address: str  # its page server; "" if none
+    shm_name: str  # its shared-memory page store; "" if none
+    page_key: bytes | None  # its page server's public key (z85); None: no auth
+
+
+NO_PEER_ADDRESS = PeerAddress("", "", None)
 
 
 class Registration(NamedTuple):
@@ -105,9 +122,18 @@ class Worker:
         "last_seq",
         "desynced",
         "pages",
+        "peer",
     )
 
-    def __init__(self, worker_id: str, slot: int, epoch: int, node_id: str, tier: int):
+    def __init__(
+        self,
+        worker_id: str,
+        slot: int,
+        epoch: int,
+        node_id: str,
+        tier: int,
+        peer: PeerAddress = NO_PEER_ADDRESS,
+    ):
         self.worker_id = worker_id
         self.slot = slot  # the worker's number in the holder columns
         self.epoch = epoch
@@ -117,6 +143,7 @@ class Worker:
         self.last_seq = 0
         self.desynced = False  # an event batch failed: refuse batches until a resync
         self.pages = PageMap()
+        self.peer = peer  # how peers read its pages, as this incarnation registered
 
 
 class RegistryFull(ValueError):
@@ -183,11 +210,18 @@ class Registry:
         empty = [worker for worker in self.workers.values() if worker.pages.size == 0]
         return min(empty, key=lambda w: (w.last_seen, w.worker_id), default=None)
 
-    def add(self, worker_id: str, epoch: int, node_id: str, tier: int) -> Worker:
+    def add(
+        self,
+        worker_id: str,
+        epoch: int,
+        node_id: str,
+        tier: int,
+        peer: PeerAddress = NO_PEER_ADDRESS,
+    ) -> Worker:
         """A new worker in a free slot (the caller made room: see `full`)."""
         assert not self.full(), f"{len(self.workers)} workers registered, the most"
         slot = self._free_slots.pop() if self._free_slots else len(self.slots)
-        worker = Worker(worker_id, slot, epoch, node_id, tier)
+        worker = Worker(worker_id, slot, epoch, node_id, tier, peer)
         if slot == len(self.slots):
             self.slots.append(worker)
         else:
@@ -225,14 +259,30 @@ class Registry:
             worker.desynced,
         )
 
+    def entry(self, worker: Worker) -> PeerEntry:
+        """How peers reach `worker`'s pages: its current registration."""
+        return PeerEntry(
+            worker.worker_id, worker.epoch, worker.node_id, self.tiers[worker.tier], *worker.peer
+        )
+
+    def entries(self, after: str, limit: int) -> tuple[list[PeerEntry], bool]:
+        """Up to `limit` entries of the workers whose ids sort after `after`, in id order,
+        and whether more follow."""
+        ids = sorted(worker_id for worker_id in self.workers if worker_id > after)
+        page = [self.entry(self.workers[worker_id]) for worker_id in ids[:limit]]
+        return page, len(ids) > limit
+
     def holdings(self) -> int:
         """Pages held, summed over the live workers."""
         return sum(worker.pages.size for worker in self.workers.values())
 
     def check(self) -> None:
-        """Slots, tier codes and their user counts agree with the workers."""
+        """Slots, tier codes and their user counts agree with the workers; each worker's
+        peer entry is whole and names it."""
         for worker_id, worker in self.workers.items():
             assert self.slots[worker.slot] is worker, f"{worker_id} is not in its slot"
+            assert worker.worker_id == worker_id, f"{worker_id} is filed as {worker.worker_id}"
+            _check_peer(worker_id, worker.peer)
         live = sum(worker is not None for worker in self.slots)
         assert live == len(self.workers), f"{live} slots taken for {len(self.workers)} workers"
         users = [0] * len(self.tiers)
@@ -244,3 +294,12 @@ class Registry:
         assert all(
             (n > 0) == (name is not None) for n, name in zip(users, self.tiers, strict=True)
         ), "a tier name outlived its last worker"
+
+
+def _check_peer(worker_id: str, peer: PeerAddress) -> None:
+    assert type(peer) is PeerAddress, f"{worker_id}: peer entry {peer!r:.60}"
+    address, shm_name, page_key = peer
+    assert type(address) is str and type(shm_name) is str, f"{worker_id}: {peer!r:.60}"
+    assert page_key is None or (type(page_key) is bytes and len(page_key) == Z85_KEY_CHARS), (
+        f"{worker_id}: page key {page_key!r:.20} is not a {Z85_KEY_CHARS}-char z85 key"
+    )

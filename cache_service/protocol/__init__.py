@@ -6,8 +6,9 @@ Every frame is one msgpack map, the envelope, whose body is one of the typed mes
 - `errors`: ProtocolError, its codes, and the Limits every frame is held to;
 - `frames`: frame safety, the defences against frames that would make the decoder
   allocate or recurse far beyond their size;
-- `fields`, `spans`, `event_wire`: field checks (exact types, ranges, lengths) and the
-  wire forms of tokens, match spans and KV events;
+- `fields`, `spans`, `event_wire`, `peer_wire`: field checks (exact types, ranges,
+  lengths) and the wire forms of tokens, match spans, KV events and peer entries;
+- `curve_keys`: CurveZMQ public keys, 32 raw bytes on the wire and z85 in bodies;
 - `table`: the message table, each request type once with its body and reply types;
 - `codec`: `encode` / `decode`, the only way frames are made and read.
 
@@ -62,6 +63,8 @@ from cache_service.protocol.table import (
     MESSAGES,
     NAME_TENANT,
     OK,
+    PEER,
+    PEERS,
     PROTOCOL_VERSION,
     REGISTER,
     REPLY_TYPES,
@@ -93,6 +96,8 @@ __all__ = [
     "MESSAGES",
     "NAME_TENANT",
     "OK",
+    "PEER",
+    "PEERS",
     "PROTOCOL_VERSION",
     "REGISTER",
     "REPORT_DEAD",

@@ -19,9 +19,9 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 # What the message table needs of any Limits (the table checks these at import): the
-# keys of the largest envelope or body, and the depth of the deepest fixed schema
-# (envelope, body, events, one event, its namespace).
-SCHEMA_MAP_KEYS = 5
+# keys of the largest envelope or body (a peer entry's 7), and the depth of the deepest
+# fixed schema (envelope, body, events, one event, its namespace).
+SCHEMA_MAP_KEYS = 7
 SCHEMA_DEPTH = 5
 
 

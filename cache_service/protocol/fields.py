@@ -12,10 +12,12 @@ ids as a list, a load as an int) -> what msgpack sends.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from cache_service.events import Namespace
+from cache_service.protocol.curve_keys import KEY_BYTES, Z85_KEY_CHARS, raw_key, z85_key
 from cache_service.protocol.errors import (
     BAD_FIELD,
     INT64_MAX,
@@ -76,6 +78,51 @@ def check_id(value: Any, path: str, limits: Limits) -> str:
 
 def check_address(value: Any, path: str, limits: Limits) -> str:
     """A page-server address; "" when the worker serves no remote reads."""
+    return check_str(value, path, limits.max_str_len, empty=True)
+
+
+# A page store's segment name, exactly as `workers.page_store` makes them:
+# kvmesh-{pid}-{process start time}-{tag}. Pids and start times are bounded here (Linux
+# pids fit in 7 digits, start times in clock ticks in 20), so a name is at most 71 chars.
+# Peers open it under /dev/shm: nothing but this format may reach them.
+SHM_NAME_RE = re.compile(r"kvmesh-[0-9]{1,10}-[0-9]{1,20}-[a-z0-9_]{1,32}")
+
+
+def check_shm_name(value: Any, path: str, limits: Limits) -> str:
+    """A page store's segment name (SHM_NAME_RE), or "" when the worker has none."""
+    if type(value) is not str:
+        raise bad(path, "str", value)
+    if value and not SHM_NAME_RE.fullmatch(value):
+        raise bad(path, "a page store name kvmesh-<pid>-<start>-<tag> or empty", value)
+    return value
+
+
+def check_page_key(value: Any, path: str, limits: Limits) -> bytes | None:
+    """A page server's public key: 32 raw bytes on the wire, b"" when authentication is
+    off; the body holds it in z85 (as `cache_service.auth.KeyPair` does), or None."""
+    if type(value) is not bytes or len(value) not in (0, KEY_BYTES):
+        raise bad(path, f"a {KEY_BYTES}-byte key or empty bytes", value)
+    return z85_key(value) if value else None
+
+
+def page_key_wire(value: Any) -> Any:
+    """Wire form of a page key: its z85 form (40 bytes) decoded to 32; None as b""."""
+    if value is None:
+        return b""
+    if type(value) is not bytes or len(value) != Z85_KEY_CHARS:
+        raise ProtocolError(
+            BAD_FIELD, f"expected a z85 key of {Z85_KEY_CHARS} bytes or None, got {describe(value)}"
+        )
+    raw = raw_key(value)
+    if raw is None:
+        raise ProtocolError(
+            BAD_FIELD, "not a z85 key (a character outside its alphabet, or a group past 2**32)"
+        )
+    return raw
+
+
+def check_after(value: Any, path: str, limits: Limits) -> str:
+    """Where a listing resumes: the last worker id of the previous page; "" from the start."""
     return check_str(value, path, limits.max_str_len, empty=True)
 
 

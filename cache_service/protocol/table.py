@@ -15,13 +15,15 @@ from cache_service import messages as m
 from cache_service.protocol import fields as f
 from cache_service.protocol.errors import SCHEMA_DEPTH, SCHEMA_MAP_KEYS
 from cache_service.protocol.event_wire import check_chains, check_events, events_wire
+from cache_service.protocol.peer_wire import check_peers, peers_wire
 from cache_service.protocol.report_wire import check_report, report_wire
 from cache_service.protocol.spans import check_spans, spans_wire
 
 # 2: the events reply carries last_seq. 3: the service issues epochs (Registered); page ids
 # and generations of events travel packed; ReportDead, NameTenant. 4: heartbeats carry the
-# worker's report (its figures, for the service's metrics).
-PROTOCOL_VERSION = 4
+# worker's report (its figures, for the service's metrics). 5: REGISTER carries what peers
+# need (shared-memory store name, page server key); GetPeer and GetPeers read it back.
+PROTOCOL_VERSION = 5
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -34,6 +36,8 @@ STATS = "stats"
 BYE = "bye"
 REPORT_DEAD = "report_dead"
 NAME_TENANT = "name_tenant"
+PEER = "peer"
+PEERS = "peers"
 OK = "ok"
 ERROR = "error"
 
@@ -107,6 +111,10 @@ CHAIN_LIST = Field("chains", check_chains, events_wire, 3)
 SPANS = Field("spans", check_spans, spans_wire, 2)  # spans / span
 STATS_MAP = Field("stats", f.check_stats, None, None)
 REPORT = Field("report", check_report, report_wire, 3)  # report / tenants / a tenant
+SHM_NAME = Field("shm name", f.check_shm_name)
+PAGE_KEY = Field("page key", f.check_page_key, f.page_key_wire)
+AFTER = Field("after", f.check_after)
+PEER_LIST = Field("peers", check_peers, peers_wire, 2)  # peers / an entry
 
 
 def _ack(kind: str) -> Body:
@@ -115,7 +123,16 @@ def _ack(kind: str) -> Body:
 
 MESSAGES: dict[str, MessageSchema] = {
     REGISTER: MessageSchema(
-        body(m.Register, REGISTER, worker_id=ID, node_id=ID, tier=ID, address=ADDRESS),
+        body(
+            m.Register,
+            REGISTER,
+            worker_id=ID,
+            node_id=ID,
+            tier=ID,
+            address=ADDRESS,
+            shm_name=SHM_NAME,
+            page_key=PAGE_KEY,
+        ),
         body(m.Registered, f"{REGISTER}.reply", service_epoch=COUNT, epoch=COUNT),
     ),
     HEARTBEAT: MessageSchema(
@@ -159,6 +176,24 @@ MESSAGES: dict[str, MessageSchema] = {
     REPORT_DEAD: MessageSchema(body(m.ReportDead, REPORT_DEAD, worker_id=ID), _ack(REPORT_DEAD)),
     NAME_TENANT: MessageSchema(
         body(m.NameTenant, NAME_TENANT, salt=ID, name=ID), _ack(NAME_TENANT)
+    ),
+    PEER: MessageSchema(
+        body(m.GetPeer, PEER, worker_id=ID),
+        body(
+            m.PeerEntry,
+            f"{PEER}.reply",
+            worker_id=ID,
+            epoch=COUNT,
+            node_id=ID,
+            tier=ID,
+            address=ADDRESS,
+            shm_name=SHM_NAME,
+            page_key=PAGE_KEY,
+        ),
+    ),
+    PEERS: MessageSchema(
+        body(m.GetPeers, PEERS, after=AFTER),
+        body(m.PeerList, f"{PEERS}.reply", peers=PEER_LIST, more=FLAG),
     ),
 }
 ERROR_BODY = body(m.ErrorReply, ERROR, code=ID, message=TEXT)

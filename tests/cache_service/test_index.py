@@ -20,6 +20,8 @@ from cache_service.index import (
     MatchResult,
     OwnerError,
     PackedSpan,
+    PeerAddress,
+    PeerEntry,
     Registration,
     RegistryFull,
     RouteDecision,
@@ -428,6 +430,57 @@ def test_each_registration_is_a_new_epoch_that_drops_the_old_ones_holdings():
     with pytest.raises(StaleEpoch, match=f"at epoch {again.epoch}, not {first}: not removed"):
         index.remove_worker("a", "bye", epoch=first)
     assert index.remove_worker("a", "bye", epoch=again.epoch) == 1
+    index.check_integrity()
+
+
+KEY_A = b"A" * 40  # the shape of a z85 public key; the index does not decode it
+PEER_A = PeerAddress("tcp://10.0.0.1:7001", "kvmesh-11-22-a", KEY_A)
+
+
+def test_a_workers_entry_is_what_its_current_incarnation_registered():
+    index = make_index("b", now=0.0)
+    assert index.peer("a") is None
+    first = index.register("a", node_id="node0", tier="gpu", now=1.0, peer=PEER_A)
+    assert index.peer("a") == PeerEntry("a", first.epoch, "node0", "gpu", *PEER_A)
+    assert index.peer("b") == PeerEntry("b", epoch(index, "b"), "node0", "cpu", "", "", None)
+    moved = PeerAddress("tcp://10.0.0.2:7002", "kvmesh-33-44-a", None)
+    again = index.register("a", node_id="node1", now=2.0, peer=moved)  # it restarted
+    assert index.peer("a") == PeerEntry("a", again.epoch, "node1", "cpu", *moved)
+    assert index.peers() == ([index.peer("a"), index.peer("b")], False)
+    assert index.peers(after="a") == ([index.peer("b")], False)
+    assert index.peers(limit=1) == ([index.peer("a")], True)
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("reason", ["bye", "reported_dead", "expired", "evicted"])
+def test_a_removed_worker_leaves_no_entry(reason):
+    index = make_index(now=0.0, liveness_timeout_s=10.0, max_workers=2)
+    index.register("a", node_id="node0", now=0.0, peer=PEER_A)
+    index.register("b", node_id="node0", now=5.0)
+    apply_ok(index, "b", 1, stored((0,), (1,)))
+    if reason == "expired":
+        assert index.expire(now=10.5) == ["a"]
+    elif reason == "evicted":  # the registry is full: a, holding nothing, makes room
+        index.register("c", node_id="node0", now=6.0)
+    else:
+        index.remove_worker("a", reason)
+    assert index.peer("a") is None
+    assert [entry.worker_id for entry in index.peers()[0]] == index.live_workers()
+    assert "a" not in index.live_workers()
+    assert index.stats()["removed_workers"] == {reason: 1}
+    index.check_integrity()
+
+
+def test_a_malformed_entry_is_refused_and_changes_nothing():
+    index = make_index("a")
+    before = index.peer("a")
+    with pytest.raises(ValueError, match="40-char z85 key or None"):
+        index.register("a", "node0", peer=PEER_A._replace(page_key=b"k" * 32))
+    with pytest.raises(TypeError, match="address and store name are str"):
+        index.register("a", "node0", peer=PEER_A._replace(shm_name=None))
+    with pytest.raises(ValueError, match="limit must be positive"):
+        index.peers(limit=0)
+    assert index.peer("a") == before
     index.check_integrity()
 
 
@@ -864,6 +917,22 @@ def test_check_integrity_catches_corruption(corrupt, message):
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
     index.check_integrity()
     corrupt(index)
+    with pytest.raises(AssertionError, match=message):
+        index.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "peer, message",
+    [
+        (PeerAddress("", "", b"short"), "is not a 40-char z85 key"),
+        (PeerAddress(None, "", None), "a: PeerAddress"),
+        (("", "", None), "a: peer entry"),
+    ],
+)
+def test_check_integrity_covers_peer_entries(peer, message):
+    index = make_index("a")
+    index.check_integrity()
+    index._registry.workers["a"].peer = peer  # corrupt on purpose
     with pytest.raises(AssertionError, match=message):
         index.check_integrity()
 

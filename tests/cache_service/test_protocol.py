@@ -26,6 +26,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from zmq.utils import z85
 
 from cache_service import messages as message_types
 from cache_service import protocol
@@ -42,6 +43,8 @@ from cache_service.messages import (
     Bye,
     EpochReply,
     ErrorReply,
+    GetPeer,
+    GetPeers,
     GetStats,
     Heartbeat,
     HolderSpan,
@@ -49,6 +52,8 @@ from cache_service.messages import (
     MatchResult,
     NameTenant,
     PackedSpan,
+    PeerEntry,
+    PeerList,
     PublishEvents,
     Register,
     Registered,
@@ -89,6 +94,7 @@ from cache_service.protocol import (
     request,
     stored_pages,
 )
+from cache_service.protocol.curve_keys import raw_key, z85_key
 from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TENANTS
 from cache_service.protocol.spans import check_spans
 from cache_service.tokens import pack_tokens, split_pages, unpack_tokens
@@ -100,6 +106,9 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 NS = Namespace("smollm2-135m", "", "tenant-a")
+PAGE_KEY = zmq.curve_keypair()[0]  # z85, as the mesh hands keys out
+SHM_NAME = "kvmesh-4242-987654-w0"
+PEER_ENTRY = PeerEntry("w0", 3, "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, PAGE_KEY)
 
 
 def make_tokens(count: int, start: int = 0) -> list[int]:
@@ -127,7 +136,7 @@ SAMPLE_REPORT = message_types.EMPTY_REPORT._replace(
     ttft_hit=message_types.Observed((0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0.11),
 )
 SAMPLE_REQUESTS = {
-    "register": Register("w0", "node-a", "cpu", "tcp://10.0.0.5:7001"),
+    "register": Register("w0", "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, PAGE_KEY),
     "heartbeat": Heartbeat("w0", 3, 0.25, SAMPLE_REPORT),
     "events": PublishEvents(
         "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
@@ -139,6 +148,8 @@ SAMPLE_REQUESTS = {
     "bye": Bye("w0", 3),
     "report_dead": ReportDead("w0"),
     "name_tenant": NameTenant("salt-of-acme", "acme"),
+    "peer": GetPeer("w0"),
+    "peers": GetPeers("w0"),
 }
 SAMPLE_REPLIES = {
     "register": Registered(7, 3),
@@ -157,6 +168,8 @@ SAMPLE_REPLIES = {
     "bye": Ack(),
     "report_dead": Ack(),
     "name_tenant": Ack(),
+    "peer": PEER_ENTRY,
+    "peers": PeerList((PEER_ENTRY, PEER_ENTRY._replace(worker_id="w1", page_key=None)), True),
 }
 GOOD_MATCH = Message(MATCH, 99, SAMPLE_REQUESTS["match"])
 GOOD_FRAME = encode(GOOD_MATCH)
@@ -327,7 +340,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 4  # 4: heartbeats carry the worker's report
+    assert PROTOCOL_VERSION == 5  # 5: REGISTER carries peer entries; GetPeer, GetPeers
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -487,6 +500,24 @@ def reports(draw):
     )
 
 
+shm_names = st.just("") | st.builds(
+    "kvmesh-{}-{}-{}".format,
+    st.integers(0, 9_999_999),
+    st.integers(0, 10**20 - 1),
+    st.from_regex(r"[a-z0-9_]{1,32}", fullmatch=True),
+)
+page_keys = st.none() | st.binary(min_size=32, max_size=32).map(z85.encode)
+peer_entries = st.builds(
+    PeerEntry,
+    worker_id=names,
+    epoch=counts,
+    node_id=names,
+    tier=names,
+    address=st.text(max_size=30),
+    shm_name=shm_names,
+    page_key=page_keys,
+)
+
 REQUEST_BODIES = {
     "register": st.builds(
         Register,
@@ -494,6 +525,8 @@ REQUEST_BODIES = {
         node_id=names,
         tier=names,
         address=st.text(max_size=30),
+        shm_name=shm_names,
+        page_key=page_keys,
     ),
     "heartbeat": st.builds(
         Heartbeat,
@@ -532,6 +565,8 @@ REQUEST_BODIES = {
     "bye": st.builds(Bye, worker_id=names, epoch=counts),
     "report_dead": st.builds(ReportDead, worker_id=names),
     "name_tenant": st.builds(NameTenant, salt=names, name=names),
+    "peer": st.builds(GetPeer, worker_id=names),
+    "peers": st.builds(GetPeers, after=st.text(max_size=12)),
 }
 REPLY_BODIES = {
     "register": st.builds(Registered, service_epoch=counts, epoch=counts),
@@ -562,6 +597,10 @@ REPLY_BODIES = {
     "bye": st.builds(Ack),
     "report_dead": st.builds(Ack),
     "name_tenant": st.builds(Ack),
+    "peer": peer_entries,
+    "peers": st.builds(
+        PeerList, peers=st.lists(peer_entries, max_size=4).map(tuple), more=st.booleans()
+    ),
 }
 
 
@@ -726,6 +765,34 @@ BAD_SPANS = [
     None,
 ]
 LONG_NAME = "x" * 257
+BAD_SHM_NAMES = [
+    "/kvmesh-1-2-w0",  # a path, not a name
+    "kvmesh-1-2-w0/../../etc",
+    "../kvmesh-1-2-w0",
+    "kvmesh-1-2-",
+    "kvmesh-1-2-W0",  # tags are lower case
+    "kvmesh-x-2-w0",
+    "kvmesh-1-2-" + "t" * 33,  # a tag over 32 chars
+    "kvmesh-" + "1" * 11 + "-2-w0",  # a pid over 10 digits
+    "kvmesh-1-" + "2" * 21 + "-w0",
+    "kvmesh-\u0661-2-w0",  # a digit, but not an ASCII one
+    "kvmesh-1-2-w0\n",
+    "kvmesh-1-2-" + "t" * 300,  # over max_str_len too
+]
+GOOD_PEER_ENTRY = ["w1", 3, "node-a", "cpu", "tcp://10.0.0.5:7001", "kvmesh-1-2-w1", b"k" * 32]
+BAD_PEER_ENTRIES = [
+    GOOD_PEER_ENTRY[:6],  # a field short
+    [*GOOD_PEER_ENTRY, 0],  # one too many
+    [*GOOD_PEER_ENTRY[:6], b"k" * 31],  # a key of 31 bytes
+    [*GOOD_PEER_ENTRY[:6], b"k" * 40],  # z85 on the wire
+    [*GOOD_PEER_ENTRY[:5], "/dev/shm/kvmesh-1-2-w1", b""],
+    ["", *GOOD_PEER_ENTRY[1:]],
+    ["w1", -1, *GOOD_PEER_ENTRY[2:]],
+    [LONG_NAME, *GOOD_PEER_ENTRY[1:]],
+    dict(zip(PeerEntry._fields, GOOD_PEER_ENTRY, strict=True)),
+    "w1",
+    None,
+]
 
 
 def report_with(field: str, value: object) -> list:
@@ -787,6 +854,30 @@ INVALID = {
     ),
     "address": st.one_of(
         st.just(LONG_NAME), wire_ints, st.booleans(), st.none(), st.binary(max_size=4)
+    ),
+    "after": st.one_of(
+        st.just(LONG_NAME), wire_ints, st.booleans(), st.none(), st.binary(max_size=4)
+    ),
+    "shm name": st.one_of(
+        st.sampled_from(BAD_SHM_NAMES),
+        wire_ints,
+        st.booleans(),
+        st.none(),
+        st.binary(max_size=4),
+        st.text(min_size=1, max_size=8).filter(lambda text: not text.startswith("kvmesh-")),
+    ),
+    "page key": st.one_of(
+        st.binary(max_size=64).filter(lambda key: len(key) not in (0, 32)),
+        st.just(PAGE_KEY),  # its z85 form: 40 bytes, not the 32 the wire takes
+        st.just(PAGE_KEY.decode()),
+        st.none(),
+        wire_ints,
+        st.booleans(),
+    ),
+    "peers": st.one_of(
+        ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
+        st.sampled_from(BAD_PEER_ENTRIES).map(lambda entry: [entry]),
+        st.sampled_from(BAD_PEER_ENTRIES).map(lambda entry: [GOOD_PEER_ENTRY, entry]),
     ),
     "text": st.one_of(
         st.just("x" * 5000),
@@ -1017,16 +1108,16 @@ def test_the_lists_and_maps_of_a_frame_are_bounded_all_together():
 
 
 def test_span_counts_are_bounded():
-    limits = Limits(max_tokens=4, max_list_len=5)
+    limits = Limits(max_tokens=4, max_list_len=7)  # 7: the keys of the largest body
     span = ["w", "cpu", struct.pack("<4i", 0, 1, 2, 3), struct.pack("<4q", 0, 0, 0, 0)]
-    frame = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 5}, r=MATCH)
-    assert len(decode(frame, "reply", limits=limits).body.spans) == 5
-    too_many = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 6}, r=MATCH)
-    with pytest.raises(ProtocolError, match="6 exceeds max_array_len") as info:
+    frame = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 7}, r=MATCH)
+    assert len(decode(frame, "reply", limits=limits).body.spans) == 7
+    too_many = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 8}, r=MATCH)
+    with pytest.raises(ProtocolError, match="8 exceeds max_array_len") as info:
         decode(too_many, "reply", limits=limits)  # refused by msgpack itself
     assert info.value.code == TOO_LARGE
-    with pytest.raises(ProtocolError, match="spans: 6 items exceeds max_list_len 5") as info:
-        check_spans([span] * 6, "match.reply.spans", limits)
+    with pytest.raises(ProtocolError, match="spans: 8 items exceeds max_list_len 7") as info:
+        check_spans([span] * 8, "match.reply.spans", limits)
     assert info.value.code == TOO_LARGE
     long = ["w", "cpu", struct.pack("<5i", *range(5)), struct.pack("<5q", *range(5))]
     too_long = raw_frame(OK, {"matched_tokens": 20, "spans": [long]}, r=MATCH)
@@ -1045,7 +1136,7 @@ def test_a_string_longer_than_any_field_is_refused_with_the_bound():
 
 
 def test_values_at_their_limits_are_accepted():
-    limits = Limits(max_tokens=8, max_list_len=5, max_str_len=4)
+    limits = Limits(max_tokens=8, max_list_len=7, max_str_len=4)
     body = {
         "namespace": ["abcd", "", ""],
         "tokens": pack_tokens(make_tokens(8)),
@@ -1055,13 +1146,95 @@ def test_values_at_their_limits_are_accepted():
     for name, value in [("tokens", pack_tokens(make_tokens(9))), ("requester", "vwxyz")]:
         error = assert_rejected_with(raw_frame(MATCH, {**body, name: value}), limits)
         assert error.code == TOO_LARGE and f"match.{name}" in error.message
-    loads = {name: 0.0 for name in "abcdef"}
+    loads = {name: 0.0 for name in "abcdefgh"}
     body = {"namespace": ["m", "", ""], "tokens": b"", "loads": loads}
     assert assert_rejected_with(raw_frame("route", body), limits).code == TOO_LARGE
     assert assert_rejected_with(GOOD_FRAME, Limits(max_frame_bytes=64)).code == TOO_LARGE
     edge = PublishEvents("w", 2**63 - 1, 0, [])
     got = decode(raw_frame("events", edge._asdict())).body
     assert type(got) is PublishEvents and got == edge
+
+
+def test_register_carries_what_a_peer_needs():
+    body = SAMPLE_REQUESTS["register"]
+    wire = wire_body("register", body)
+    assert wire["shm_name"] == SHM_NAME
+    assert wire["page_key"] == z85.decode(PAGE_KEY) and len(wire["page_key"]) == 32
+    assert decode(raw_frame("register", wire)).body == body
+    keyless = decode(raw_frame("register", {**wire, "shm_name": "", "page_key": b""})).body
+    assert (keyless.shm_name, keyless.page_key) == ("", None)
+    # The page store's own names are what the codec takes, the longest tag too.
+    from workers.page_store import _segment_name
+
+    for tag in ("w0", "t" * 32):
+        name = _segment_name(tag)
+        assert decode(raw_frame("register", {**wire, "shm_name": name})).body.shm_name == name
+
+
+@FUZZ
+@given(st.binary(min_size=32, max_size=32))
+def test_keys_travel_raw_and_read_back_in_z85_as_zmq_writes_it(raw):
+    assert z85_key(raw) == z85.encode(raw)
+    assert raw_key(z85.encode(raw)) == raw
+
+
+@pytest.mark.parametrize("name", BAD_SHM_NAMES)
+def test_a_store_name_not_of_the_page_store_is_refused(name):
+    wire = wire_body("register", SAMPLE_REQUESTS["register"])
+    error = assert_rejected(raw_frame("register", {**wire, "shm_name": name}), BAD_FIELD)
+    assert error.message.startswith("register.shm_name: expected a page store name"), error
+    assert_still_serves()
+
+
+@pytest.mark.parametrize("length", [1, 31, 33, 40, 64])
+def test_a_page_key_of_the_wrong_length_is_refused(length):
+    for kind, reply in (("register", False), ("peer", True)):
+        error = assert_rejected(
+            frame_with(kind, reply, "page_key", b"k" * length),
+            BAD_FIELD,
+            expect="reply" if reply else "request",
+        )
+        assert f".page_key: expected a 32-byte key or empty bytes, got bytes of {length}" in (
+            error.message
+        )
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (PAGE_KEY[:39], "expected a z85 key of 40 bytes or None, got bytes of 39"),
+        (z85.decode(PAGE_KEY), "expected a z85 key of 40 bytes or None, got bytes of 32"),
+        (PAGE_KEY.decode(), "expected a z85 key of 40 bytes or None, got"),
+        (b"~" * 40, "not a z85 key"),
+        (b"#" * 40, "not a z85 key"),  # z85 characters, but over 2**32 a block
+    ],
+)
+def test_encode_refuses_a_page_key_that_is_not_z85(key, message):
+    body = SAMPLE_REQUESTS["register"]._replace(page_key=key)
+    with pytest.raises(ProtocolError, match=re.escape(message)) as info:
+        encode(request(5, body))
+    assert info.value.code == BAD_FIELD and "register.page_key" in info.value.message
+
+
+def test_peer_entries_travel_as_lists_with_raw_keys():
+    reply = ok_reply(request(1, GetPeers("")), SAMPLE_REPLIES["peers"])
+    wire = msgpack.unpackb(encode(reply))["b"]
+    assert wire == {
+        "peers": [
+            ["w0", 3, "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, z85.decode(PAGE_KEY)],
+            ["w1", 3, "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, b""],
+        ],
+        "more": True,
+    }
+    got = decode(encode(reply), "reply").body
+    assert type(got) is PeerList and all(type(entry) is PeerEntry for entry in got.peers)
+
+
+@pytest.mark.parametrize("entry", BAD_PEER_ENTRIES, ids=range(len(BAD_PEER_ENTRIES)))
+def test_malformed_peer_entries_are_refused(entry):
+    frame = raw_frame(OK, {"peers": [GOOD_PEER_ENTRY, entry], "more": False}, r="peers")
+    error = assert_rejected(frame, BAD_FIELD, TOO_LARGE, TOO_DEEP, expect="reply")
+    assert error.message.startswith("peers.reply"), error
 
 
 def assert_rejected_with(frame: bytes, limits: Limits) -> ProtocolError:
@@ -1096,7 +1269,8 @@ def test_limits_are_validated():
     [
         (raw_frame(MATCH, {}, v=2), BAD_VERSION),  # the version before service epochs
         (raw_frame(MATCH, {}, v=3), BAD_VERSION),  # the version before worker reports
-        (raw_frame(MATCH, {}, v=5), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=4), BAD_VERSION),  # the version before peer entries
+        (raw_frame(MATCH, {}, v=6), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

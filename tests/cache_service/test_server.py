@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service import protocol
+from cache_service import server as server_module
 from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace
 from cache_service.index import OwnerError
-from cache_service.messages import GetStats, StatsReply
+from cache_service.messages import GetStats, PeerEntry, StatsReply
 from cache_service.server import ServerConfig, make_server
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.page_pool import PagePool
@@ -162,6 +163,134 @@ def test_heartbeats_keep_a_worker_alive():
         assert srv.stats()["workers_live"] == 1
         assert pub.resyncs == 1  # registered once: nothing was lost
     finally:
+        srv.stop()
+
+
+SHM_A = "kvmesh-101-202-a"
+KEY_A = KeyPair.generate().public
+
+
+def _peer_worker(srv, worker_id: str, address: str, shm_name: str, page_key=None, **kw):
+    """A worker's publisher as the Worker builds it: with its page server and store."""
+    cache = PrefixCache(PagePool(16), PrefixCacheConfig(page_tokens=P))
+    publisher = EventPublisher(
+        _client(srv, **kw),
+        cache,
+        worker_id,
+        node_id="node-1",
+        tier="gpu",
+        address=address,
+        shm_name=shm_name,
+        page_key=page_key,
+    )
+    assert publisher.sync()
+    return publisher
+
+
+def test_get_peer_answers_what_register_carried(server):
+    pub = _peer_worker(server, "a", "tcp://127.0.0.1:7001", SHM_A, KEY_A)
+    client = _client(server)
+    entry = client.peer("a")
+    assert type(entry) is PeerEntry
+    assert entry == PeerEntry("a", pub.epoch, "node-1", "gpu", "tcp://127.0.0.1:7001", SHM_A, KEY_A)
+    keyless = _peer_worker(server, "b", "", "")
+    assert client.peer("b") == PeerEntry("b", keyless.epoch, "node-1", "gpu", "", "", None)
+    assert client.peers() == [entry, client.peer("b")]
+    assert client.peer("ghost") is None  # an ordinary answer, not an error for the caller
+    assert client.stats()["service"]["errors"] == 1  # the service answered it with one
+
+
+def test_a_reregistered_workers_entry_is_replaced(server):
+    pub = _peer_worker(server, "a", "tcp://127.0.0.1:7001", SHM_A, KEY_A)
+    first = pub.epoch
+    # The worker restarted: a new process, a new store and page server, a new epoch.
+    again = _peer_worker(server, "a", "tcp://127.0.0.1:7002", "kvmesh-303-404-a")
+    client = _client(server)
+    assert again.epoch > first
+    assert client.peer("a") == PeerEntry(
+        "a", again.epoch, "node-1", "gpu", "tcp://127.0.0.1:7002", "kvmesh-303-404-a", None
+    )
+    assert [entry.worker_id for entry in client.peers()] == ["a"]
+
+
+def test_a_worker_that_leaves_or_dies_has_no_entry(server):
+    client = _client(server)
+    leaving = _peer_worker(server, "a", "tcp://127.0.0.1:7001", SHM_A)
+    dying = _peer_worker(server, "b", "tcp://127.0.0.1:7002", "kvmesh-303-404-b")
+    leaving.stop(bye=True)
+    assert client.peer("a") is None
+    client.report_dead("b")
+    assert client.peer("b") is None and client.peers() == []
+    assert dying.heartbeat()  # it was not dead after all: it registers again
+    assert client.peer("b").epoch == dying.epoch and client.peers() == [client.peer("b")]
+
+
+def test_an_expired_worker_has_no_entry():
+    clock = FakeClock()
+    fast = make_server(ServerConfig(page_tokens=P, liveness_timeout_s=0.3), clock=clock)
+    fast.start()
+    try:
+        _peer_worker(fast, "a", "tcp://127.0.0.1:7001", SHM_A)
+        client = _client(fast)
+        assert client.peer("a") is not None
+        clock.now += 0.31
+        fast.run_housekeeping()  # (or the loop's own round, whichever comes first)
+        assert fast.stats()["removed_workers"] == {"expired": 1}
+        assert client.peer("a") is None and client.peers() == []
+    finally:
+        fast.check_integrity()
+        fast.stop()
+
+
+def test_peers_come_a_page_at_a_time(server, monkeypatch):
+    monkeypatch.setattr(server_module, "PEERS_PER_PAGE", 2)
+    client = _client(server)
+    for worker_id in ("e", "a", "d", "b", "c"):
+        client.register(worker_id, "node-1", "cpu", "", f"kvmesh-1-2-{worker_id}")
+    entries = client.peers()
+    assert [entry.worker_id for entry in entries] == ["a", "b", "c", "d", "e"]
+    assert [entry.shm_name for entry in entries] == [f"kvmesh-1-2-{w}" for w in "abcde"]
+    assert server.stats()["service"]["requests"] == 5 + 3  # five registers, three pages
+
+
+def test_peer_lookups_and_page_keys_under_authentication():
+    keys = MeshKeys.generate(["w0", "w1"])
+    srv = make_server(ServerConfig(page_tokens=P), keys=keys.server_keys())
+    srv.start()
+    endpoint = ServiceEndpoint(srv.address, keys.service.public)
+    clients = []
+
+    def client(pair) -> ServiceClient:
+        clients.append(ServiceClient(endpoint, timeout_s=0.5, retries=0, client_keys=pair))
+        return clients[-1]
+
+    try:
+        w0, w1 = client(keys.workers["w0"]), client(keys.workers["w1"])
+        own = keys.workers["w0"].public
+        # A worker advertises its own key for its page server, or none; never another's.
+        for other in (keys.workers["w1"].public, keys.front_door.public, KEY_A):
+            with pytest.raises(ServiceError, match="only its own key") as info:
+                w0.register("w0", "node-1", "cpu", "tcp://127.0.0.1:7001", SHM_A, other)
+            assert info.value.code == "forbidden"
+        assert w0.peer("w0") is None  # nothing registered by the refusals
+        registered = w0.register("w0", "node-1", "cpu", "tcp://127.0.0.1:7001", SHM_A, own)
+        expected = PeerEntry(
+            "w0", registered.epoch, "node-1", "cpu", "tcp://127.0.0.1:7001", SHM_A, own
+        )
+        assert w1.peer("w0") == expected  # a worker looks up its peers
+        assert w1.peers() == [expected]
+        front = client(keys.front_door)
+        assert front.peer("w0") == expected and front.peers() == [expected]
+        assert w1.register("w1", "node-1", "cpu", "", "", None).epoch > 0  # auth off for pages
+        for stranger in (client(KeyPair.generate()), client(None)):
+            with pytest.raises(ServiceUnavailable):
+                stranger.peer("w0")
+            with pytest.raises(ServiceUnavailable):
+                stranger.peers()
+    finally:
+        for each in clients:
+            each.close()
+        srv.check_integrity()
         srv.stop()
 
 

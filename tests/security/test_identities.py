@@ -24,6 +24,8 @@ def test_a_key_the_mesh_does_not_know_is_refused(auth_rig):
             stranger.stats()
         with pytest.raises(ServiceUnavailable):
             stranger.register("w9", "node-9", "cpu", "")
+        with pytest.raises(ServiceUnavailable):
+            stranger.peer("w0")  # nor may it learn where a worker's pages are
     assert auth_rig.server.stats()["workers_live"] == 0
 
 
@@ -60,6 +62,8 @@ def test_a_worker_key_speaks_only_for_its_own_worker(auth_rig):
     assert w1.match(NS, PROMPT, requester="w1").matched_tokens == 12
     assert w1.match(NS, PROMPT).matched_tokens == 12
     assert w1.route(NS, PROMPT, {"w0": 0.0, "w1": 0.0}).worker_id == "w0"
+    assert w1.peer("w0").epoch == epoch  # and where its peers' pages are
+    assert [entry.worker_id for entry in w1.peers()] == ["w0", "w1"]
     front = auth_rig.client("front_door")
     assert front.stats()["workers"]["w0"]["pages"] == 3  # w0 kept everything
     cache.check_integrity()
@@ -84,8 +88,10 @@ def test_the_front_door_looks_up_and_reports_but_never_publishes(auth_rig):
     assert front.route(NS, PROMPT, {"w0": 0.0}).reason == "prefix"
     front.name_tenant(NS.salt, "acme")
     assert "acme" in front.stats()["tenants"]
+    assert front.peer("w0").epoch == publisher.epoch
     front.report_dead("w0")  # the front door saw the worker's actor die
     assert front.match(NS, PROMPT).matched_tokens == 0
+    assert front.peer("w0") is None
     assert front.stats()["removed_workers"] == {"reported_dead": 1}
 
 
