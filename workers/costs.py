@@ -197,8 +197,11 @@ class PrefillProfile:
             ValueError: no length fits under `max_tokens`.
         """
         wanted = sorted({n for n in lengths if max_tokens is None or n <= max_tokens})
-        if max_tokens is not None and max_tokens not in wanted and wanted:
-            wanted.append(max_tokens)  # the longest prompt that fits is worth a point
+        if max_tokens is not None and wanted and wanted[-1] < max_tokens < max(lengths):
+            # a cap below the longest length: the longest prompt that fits is worth a point
+            # (a cap above it is not: an 8k-token prefill takes a minute on a CPU, and the
+            # curve extends past its last point)
+            wanted.append(max_tokens)
         if not wanted:
             raise ValueError(f"no profile length fits in {max_tokens} tokens")
         prefill(wanted[0])  # warm-up: first calls pay for allocations

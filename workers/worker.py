@@ -35,7 +35,7 @@ import torch
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from workers import models
-from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
+from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.costs import (
     PROFILE_FILE,
@@ -469,10 +469,13 @@ class Worker:
         local = allocation.cached_tokens
         p = self.cache.page_tokens
         self._detach_dead_owners()
-        if not self.peers or local >= len(tokens) - 1:
+        if local >= len(tokens) - 1:
             return local
         try:
             matched, spans = self.client.match(namespace, tokens, requester=self.worker_id)
+            for span in spans:
+                if span.worker_id not in self.peers and span.worker_id != self.worker_id:
+                    self._look_up_peer(span.worker_id)
         except ServiceUnavailable:
             return local  # no service: a miss, not an error
         first, end = local // p, min(matched, len(tokens) - 1) // p
@@ -514,6 +517,21 @@ class Worker:
             if all(result.valid):  # a refused page may never have moved: no rate from it
                 self.links.observe(result.task.holder, remote, nbytes, result.seconds)
         return max(local, min(outcome.end * p, len(tokens) - 1))
+
+    def _look_up_peer(self, worker_id: str) -> None:
+        """Learn a holder the front door never named (it joined or restarted since) from
+        the service's registry: what its REGISTER carried."""
+        try:
+            entry = self.client.peer(worker_id)
+        except ServiceError as exc:
+            log.warning("the service refused the entry of peer %s: %s", worker_id, exc)
+            return
+        if entry is None:
+            return  # gone since the match: its span is skipped
+        self.peers[worker_id] = PeerInfo(
+            worker_id, entry.node_id, entry.shm_name, entry.address, entry.page_key
+        )
+        log.info("worker %s found peer %s in the service's registry", self.worker_id, worker_id)
 
     def _remote(self, worker_id: str) -> bool:
         return self.peers[worker_id].node_id != self.settings.node_id

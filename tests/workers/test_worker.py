@@ -151,3 +151,70 @@ def test_request_too_big_is_cache_full(service):
         w.check_integrity()
     finally:
         w.shutdown()
+
+
+def test_a_holder_nobody_named_is_found_in_the_services_registry(service):
+    """Peers were never told of each other (as for a worker that joins, or a holder that
+    restarted, after connect): the requester finds the holder the match names in the
+    service's registry, with what its REGISTER carried, and copies from it."""
+    holder = _worker(service, "h", "n1")
+    asker = _worker(service, "q", "n2")  # another node: the page server path
+    try:
+        assert not holder.peers and not asker.peers
+        prompt = PREFIX + [4, 4, 4]
+        holder.generate(prompt, 2)
+        assert holder.flush()
+        out = asker.generate(prompt, 2)
+        assert out["stats"]["remote_hit_tokens"] == 36  # every full page but the last token's
+        found = asker.peers["h"]
+        assert (found.node_id, found.shm_name, found.page_address) == (
+            "n1",
+            holder.store.name,
+            holder.page_server.address,
+        )
+        assert holder.page_server.pages_sent > 0
+        holder.check_integrity()
+        asker.check_integrity()
+    finally:
+        holder.shutdown()
+        asker.shutdown()
+
+
+def test_bad_arguments_are_refused_before_anything_is_held(service):
+    w = _worker(service, "v", "n1")
+    try:
+        for prompt, n, message in [
+            ([1, 2, 3], 2.0, "max_new_tokens must be an int, got 2.0"),
+            ([1, 2, 3], 0, "max_new_tokens must be >= 1"),
+            ([1, 2, 256], 2, r"token id 256 \(position 2\) outside the model's vocabulary"),
+            ([1, 2, 3], 1022, "exceed the model's context window of 1024 tokens"),
+            ("text", 2, "no tokenizer"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                w.generate(prompt, n)
+        with pytest.raises(ValueError, match="temperature"):
+            w.generate([1, 2, 3], 2, sampling={"temperature": -1.0})
+        with pytest.raises(ValueError, match="unknown"):
+            w.generate([1, 2, 3], 2, sampling={"temp": 1.0})
+        with pytest.raises(ValueError, match="stop token 999"):
+            w.generate([1, 2, 3], 2, stop_token_ids=[999])
+        assert w.cache.stats()["queries"] == 0 and w.requests == 0
+        w.check_integrity()
+    finally:
+        w.shutdown()
+
+
+def test_stream_yields_each_token_then_the_result(service):
+    w = _worker(service, "s", "n1")
+    try:
+        whole = w.generate(PREFIX, 8, ignore_eos=True)
+        items = list(w.stream(PREFIX, 8, ignore_eos=True))
+        assert [i["token_id"] for i in items[:-1]] == whole["token_ids"]
+        assert items[-1]["result"]["token_ids"] == whole["token_ids"]
+        assert items[-1]["result"]["finish_reason"] == "length"
+        assert items[-1]["result"]["stats"]["local_hit_tokens"] == 36
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            next(iter(w.stream(PREFIX, -1)))
+        w.check_integrity()
+    finally:
+        w.shutdown()
