@@ -13,7 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "local": "the local prefix cache against an allocator that shares nothing",
     "lookup": "index lookups over ZMQ against a bare msgpack echo server",
     "copy": "page copies between workers against plain copies of the same bytes",
-    "ttft": "time to first token with the real model: cold, local hit, remote hit",
+    "ttft": "time to first token with the real model: cold, local, remote, several holders",
     "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
 }
 

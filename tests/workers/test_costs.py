@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cache_service.server import ServerConfig, make_server
+from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from workers import costs
 from workers.costs import (
     CopyCosts,
@@ -23,7 +23,7 @@ from workers.costs import (
 from workers.prefix_cache import PrefixCacheConfig
 from workers.worker import Worker, WorkerSettings
 
-P = 4
+P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
 
 
 def make_profile() -> PrefillProfile:
@@ -179,15 +179,6 @@ def test_holders_run_concurrently_and_a_slow_tail_is_dropped():
 PROMPT = [(7 * i + 3) % 250 for i in range(1001)]  # 250 full pages, then 1 token
 
 
-@pytest.fixture
-def service():
-    server = make_server(ServerConfig(page_tokens=P))
-    server.start()
-    yield server
-    server.stop()
-    server.index.check_integrity()
-
-
 def bigger_llama():
     """A random Llama big enough that prefilling 1000 tokens clearly costs more than the
     copy-in's fixed costs (the match, the digests), still under a second on a CPU."""
@@ -248,13 +239,6 @@ def test_the_worker_recomputes_over_a_slow_link_and_copies_over_a_fast_one(servi
         assert recomputed["stats"]["remote_hit_tokens"] == 0
         assert b.stats()["copy"]["decisions"] == {"copy cheaper": 1, "recompute cheaper": 1}
         last = b.stats()["copy"]["last"]
-        print(
-            "SLOW",
-            slow_copy["stats"],
-            recomputed["stats"],
-            b.stats()["copy"],
-            b.profile.corrections(),
-        )
         assert last["copy_s"] > 2 * last["recompute_s"]
         # Both paths for real: recomputing beat the slow copy.
         assert _path_s(recomputed) < _path_s(slow_copy) / 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.server import ServerConfig, make_server
 from workers import models
 from workers.prefix_cache import PrefixCacheConfig
 from workers.worker import Worker, WorkerSettings
@@ -26,9 +25,7 @@ def test_the_tiny_model_loads_in_the_dtype_asked_for_with_the_shape_of_the_table
     assert (model.config.num_hidden_layers, model.config.num_key_value_heads) == shape[:2]
 
 
-def test_the_configured_dtype_reaches_the_workers_pages():
-    server = make_server(ServerConfig(page_tokens=4))
-    server.start()
+def test_the_configured_dtype_reaches_the_workers_pages(service):
     settings = WorkerSettings(
         worker_id="w",
         node_id="n",
@@ -36,7 +33,7 @@ def test_the_configured_dtype_reaches_the_workers_pages():
         model="tiny",
         num_pages=16,
         cache=PrefixCacheConfig(page_tokens=4),
-        service_address=server.address,
+        service_address=service.address,
         publish_interval_s=60.0,
         dtype="bfloat16",
     )
@@ -48,5 +45,3 @@ def test_the_configured_dtype_reaches_the_workers_pages():
         worker.check_integrity()
     finally:
         worker.shutdown()
-        server.stop()
-    server.index.check_integrity()

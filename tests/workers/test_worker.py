@@ -5,21 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.server import ServerConfig, make_server
+from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from workers.model_runner import tiny_llama
 from workers.prefix_cache import PrefixCacheConfig
 from workers.worker import CacheFull, Worker, WorkerSettings
 
-P = 4
-
-
-@pytest.fixture
-def service():
-    server = make_server(ServerConfig(page_tokens=P))
-    server.start()
-    yield server
-    server.stop()
-    server.index.check_integrity()
+P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
 
 
 def _worker(
