@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 PROFILE_FILE = "prefill-profile.json"
 PROFILE_FORMAT = 1
 # Prompt lengths measured (capped by what the model and the store can hold). Length 1 is a
-# forward's fixed cost: every prefill pays it, copied prefix or not.
-PROFILE_LENGTHS = (1, 64, 256, 1024)
+# forward's fixed cost: every prefill pays it, copied prefix or not. Measured at a worker's
+# first start on a machine (about 4 s for SmolLM2 on a CPU core: longer prompts would cost
+# far more), extended linearly past 512 and refined by every real prefill after that.
+PROFILE_LENGTHS = (1, 64, 512)
 # A real prefill's time over the curve's estimate is clamped to this range before it moves
 # the correction: one prefill stalled behind another process must not wreck the curve.
 MAX_CORRECTION = 10.0
@@ -186,7 +188,7 @@ class PrefillProfile:
         prefill: Callable[[int], float],
         lengths: Sequence[int] = PROFILE_LENGTHS,
         max_tokens: int | None = None,
-        repeats: int = 3,
+        repeats: int = 2,
         key: str = "",
     ) -> PrefillProfile:
         """Time `prefill(n)` (which returns the seconds a full prefill of n tokens took) at
