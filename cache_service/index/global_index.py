@@ -396,21 +396,27 @@ class GlobalIndex:
     def _match(
         self, namespace: Namespace, tokens: TokenInput, requester: str | None, packed: bool
     ) -> tuple[int, tuple]:
-        self._own()
-        data = _checked(namespace, tokens)
+        if _get_ident() != self._owner:
+            self._own()
+        if type(namespace) is Namespace and type(tokens) is bytes and not len(tokens) & 3:
+            data = tokens  # the server's case: checked as _checked would
+        else:
+            data = _checked(namespace, tokens)
         nodes = self._nodes
         path = walk(nodes, nodes.roots.get(namespace), data)
-        self._clock += 1
+        self._clock = clock = self._clock + 1
         spans: tuple = ()
         local = 0
-        asking = self._registry.get(requester)
+        asking = None if requester is None else self._registry.workers.get(requester)
         if path.length:
-            start, length, on_path = path
-            if on_path is None:
-                nodes.last_access_arr[start : start + length].fill(self._clock)
+            if path.nodes is None:
+                last_access = nodes.last_access_arr
+                for first, pages in path.runs:
+                    last_access[first : first + pages] = clock
             else:
-                nodes.last_access_arr.put(on_path, self._clock)
-            holdings = self._holders.holdings(path)
+                nodes.last_access_arr.put(path.nodes, clock)
+            holders = self._holders
+            holdings = holders.holdings(path)
             requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
             slots, tiers = self._registry.slots, self._registry.tiers
             built = []
@@ -421,17 +427,19 @@ class GlobalIndex:
                 worker = slots[slot]
                 assert worker is not None, f"a holding of dead slot {slot}"
                 built.append(
-                    self._holders.span(path, holding, worker.worker_id, tiers[worker.tier], packed)
+                    holders.span(path, holding, worker.worker_id, tiers[worker.tier], packed)
                 )
             if len(built) > 1:
                 built.sort(key=_span_order)  # packed lengths are 4x, in the same order
-            spans = tuple(built[: self.max_spans])
-        matched = path.length * self.page_tokens
+                spans = tuple(built[: self.max_spans])
+            else:
+                spans = tuple(built)
+        page_tokens = self.page_tokens
+        matched = path.length * page_tokens
         if requester is not None and asking is None:
             requester = UNREGISTERED
-        self._tallies.record(
-            namespace.salt, requester, len(data) // 4, matched, local * self.page_tokens
-        )
+        local *= page_tokens
+        self._tallies.record(namespace.salt, requester, len(data) >> 2, matched, local)
         return matched, spans
 
     def route(

@@ -12,6 +12,7 @@ parent), so along one prompt every holder holds a leading run of the matched pag
 from __future__ import annotations
 
 import struct
+import sys
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from cache_service.messages import HolderSpan, PackedSpan
 # without touching the side dict; each column costs 14 bytes a node.
 INLINE_HOLDERS = 4
 EXTRA = INLINE_HOLDERS  # the "column" of a holding kept in the side dict
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _new_tuple = tuple.__new__
 
 
@@ -131,13 +133,12 @@ class Holders:
         """(slot, pages held, column) of every holder of the first node of a path.
 
         Each holder holds a leading run of the path (prefix closure) in one column
-        (column consistency), so column c along the path is its holder's run, then empty.
+        (column consistency), so column c along the path is its holder's run, then empty:
+        a holder of the last node holds the whole path, and any other's run ends where a
+        binary search over scalar reads finds it.
         """
-        start, length, nodes = path
-        if nodes is None:
-            first, last = start, start + length - 1
-        else:
-            first, last = int(nodes[0]), int(nodes[-1])
+        length, runs, nodes = path
+        first, last = path.first(), path.last()
         holdings = []
         for column, slots in enumerate(self.slot):
             slot = slots[first]
@@ -145,8 +146,10 @@ class Holders:
                 continue
             if slots[last] == slot:
                 held = length
+            elif nodes is None:
+                held = _leading_run(slots, runs, slot)
             else:
-                held = int(np.count_nonzero(path.of(self.slot_cols[column]) == slot))
+                held = int(np.count_nonzero(self.slot_cols[column][nodes] == slot))
             holdings.append((slot, held, column))
         for slot, _, _ in self.extra.get(first, ()):
             held = 1
@@ -165,19 +168,36 @@ class Holders:
     ) -> HolderSpan | PackedSpan:
         """The span of one holding of `path`, as ints (HolderSpan) or wire bytes (PackedSpan)."""
         slot, held, column = holding
-        start, _, nodes = path
+        _, runs, nodes = path
         if column < EXTRA:
             pages, generations = self.page_cols[column], self.generation_cols[column]
-            if nodes is None:  # a run of node ids: slices
-                pages, generations = pages[start : start + held], generations[start : start + held]
+            if nodes is None and packed and _LITTLE_ENDIAN:  # the server's case
+                page_parts, generation_parts = [], []
+                for first, length in runs:
+                    stop = first + (length if length < held else held)
+                    page_parts.append(pages[first:stop].tobytes())
+                    generation_parts.append(generations[first:stop].tobytes())
+                    held -= length
+                    if held <= 0:
+                        break
+                if len(page_parts) == 1:
+                    page_ids, generations = page_parts[0], generation_parts[0]
+                else:
+                    page_ids, generations = b"".join(page_parts), b"".join(generation_parts)
+                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
+            if nodes is None:  # runs of node ids: a slice of each column per run
+                parts = _run_slices(runs, held)
+                page_parts = [pages[part] for part in parts]
+                generation_parts = [generations[part] for part in parts]
             else:
                 nodes = nodes[:held]
-                pages, generations = pages[nodes], generations[nodes]
+                page_parts, generation_parts = [pages[nodes]], [generations[nodes]]
             if packed:
-                page_ids = pages.astype("<i4", copy=False).tobytes()
-                generations = generations.astype("<i8", copy=False).tobytes()
+                page_ids = b"".join([_wire_bytes(part, "<i4") for part in page_parts])
+                generations = b"".join([_wire_bytes(part, "<i8") for part in generation_parts])
                 return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
-            page_ids, generations = tuple(pages.tolist()), tuple(generations.tolist())
+            page_ids = tuple(page for part in page_parts for page in part.tolist())
+            generations = tuple(g for part in generation_parts for g in part.tolist())
         else:
             found = [
                 next(holder for holder in self.extra[path.node(i)] if holder[0] == slot)
@@ -190,3 +210,40 @@ class Holders:
                 generations = struct.pack(f"<{held}q", *generations)
                 return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
         return _new_tuple(HolderSpan, (worker_id, tier, page_ids, generations))
+
+
+def _leading_run(slots: memoryview, runs: tuple[tuple[int, int], ...], slot: int) -> int:
+    """How many leading pages of the path of `runs` column `slots` gives to `slot`, which
+    holds the first page but not the last (its holding is a leading run: see holdings)."""
+    held = 0
+    for first, pages in runs:
+        if slots[first + pages - 1] == slot:
+            held += pages
+            continue
+        low, high = 0, pages - 1  # pages [0, low) of the run are held, page high is not
+        while low < high:
+            middle = (low + high) // 2
+            if slots[first + middle] == slot:
+                low = middle + 1
+            else:
+                high = middle
+        return held + low
+    return held
+
+
+def _run_slices(runs: tuple[tuple[int, int], ...], pages: int) -> list[slice]:
+    """The node slices of the first `pages` pages of a path of `runs`."""
+    parts = []
+    for first, length in runs:
+        if pages <= length:
+            parts.append(slice(first, first + pages))
+            return parts
+        parts.append(slice(first, first + length))
+        pages -= length
+    return parts
+
+
+def _wire_bytes(values: np.ndarray, dtype: str) -> bytes:
+    """`values` as the wire's little-endian bytes (a copy of the column's bytes where the
+    machine is little-endian itself)."""
+    return values.tobytes() if _LITTLE_ENDIAN else values.astype(dtype).tobytes()

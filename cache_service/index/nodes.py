@@ -25,6 +25,9 @@ from cache_service.index.keys import PrefixKeys
 from cache_service.tokens import TOKEN_DTYPE
 
 NONE = -1  # "no node" / "no holder" inside the int columns, never outside the index
+# Branches (parent, page) the match walk remembers: a few hundred KiB at most, where the
+# key of a page costs a dozen big-int multiplications and a probe of the key table.
+RECENT_BRANCHES = 4096
 
 
 class Nodes:
@@ -59,6 +62,9 @@ class Nodes:
         self.free: list[int] = []
         self.num_pages = 0
         self.max_depth = 0  # no prompt matches deeper than the deepest node ever made
+        # (parent, page tokens) -> the child the walk found there last. An entry may be
+        # stale (the child released, its id reused): `branch` checks it before use.
+        self.recent_branches: dict[tuple[int, bytes], int] = {}
 
     def grow(self, capacity: int) -> None:
         """Extend every column to `capacity` nodes and rebind the memoryviews."""
@@ -158,6 +164,32 @@ class Nodes:
             ):
                 return node
         return None
+
+    def branch(self, parent: int, depth: int, data: bytes) -> int | None:
+        """The child of `parent` holding page `depth` of packed prompt `data`.
+
+        Where a run of the walk starts: the first page below a root, and where chains
+        branch (a shared system prompt and the suffixes below it). Prompts come back to the
+        same branches, so the last child found at each is remembered, and taken only once
+        its parent and tokens are checked: then it is the child, since a parent has one
+        child per page.
+        """
+        size = self.page_bytes
+        tokens = data[depth * size : (depth + 1) * size]
+        recent = self.recent_branches
+        node = recent.get((parent, tokens))
+        if node is not None:
+            if self.parent[node] == parent and data.startswith(
+                self.token_bytes[node * size : (node + 1) * size], depth * size
+            ):
+                return node
+            del recent[parent, tokens]
+        node = self.child(parent, self.keys.page_key(self.key[parent], depth, data), tokens)
+        if node is not None:
+            if len(recent) >= RECENT_BRANCHES:
+                recent.clear()
+            recent[parent, tokens] = node
+        return node
 
     def is_ancestor_or_self(self, ancestor: int, node: int) -> bool:
         while node != NONE:

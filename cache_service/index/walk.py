@@ -25,25 +25,43 @@ _new_tuple = tuple.__new__
 class Path(NamedTuple):
     """The nodes of a match, in prompt order.
 
-    Usually one run start .. start + length - 1 (`nodes` None), read with slices; else
-    `nodes` lists them.
+    Usually a few runs of consecutive node ids (`runs`, `nodes` None), read with slices
+    and scalar reads: a run costs its consumers a slice each, where a gather of the nodes
+    would cost a numpy call for the index array and one per column read through it. A
+    path of more than MAX_RUNS runs lists its nodes instead (`runs` empty).
     """
 
-    start: int
     length: int
+    runs: tuple[tuple[int, int], ...]  # (first node, pages), when nodes is None
     nodes: np.ndarray | None  # intp
 
-    def of(self, column: np.ndarray) -> np.ndarray:
-        """`column` at the path's nodes, in order (a view for a run)."""
-        if self.nodes is None:
-            return column[self.start : self.start + self.length]
-        return column[self.nodes]  # not take(): that copies a strided column whole first
-
     def node(self, i: int) -> int:
-        return self.start + i if self.nodes is None else int(self.nodes[i])
+        """The node of page i of the path."""
+        if self.nodes is not None:
+            return int(self.nodes[i])
+        for first, pages in self.runs:
+            if i < pages:
+                return first + i
+            i -= pages
+        raise IndexError(f"page {i} past a path of {self.length}")
+
+    def first(self) -> int:
+        return self.runs[0][0] if self.nodes is None else int(self.nodes[0])
+
+    def last(self) -> int:
+        if self.nodes is not None:
+            return int(self.nodes[-1])
+        first, pages = self.runs[-1]
+        return first + pages - 1
+
+    def node_ids(self) -> list[int]:
+        """Every node of the path, in order."""
+        if self.nodes is not None:
+            return self.nodes.tolist()
+        return [node for first, pages in self.runs for node in range(first, first + pages)]
 
 
-NO_PATH = Path(0, 0, None)
+NO_PATH = Path(0, (), None)
 
 
 def walk(nodes: Nodes, root: int | None, data: bytes) -> Path:
@@ -53,25 +71,21 @@ def walk(nodes: Nodes, root: int | None, data: bytes) -> Path:
         return NO_PATH
     runs: list[tuple[int, int]] = []  # (first node, pages)
     parent, done = root, 0
-    size, first_child, key = nodes.page_bytes, nodes.first_child, nodes.key
-    page_key = nodes.keys.page_key
+    first_child, branch = nodes.first_child, nodes.branch
     while done < pages and first_child[parent] != NONE:
         if len(runs) == MAX_RUNS:
             rest = _lookup(nodes, parent, done, pages, data)
-            return Path(0, done + len(rest), np.concatenate([*map(_node_range, runs), rest]))
-        page = page_key(key[parent], done, data)
-        node = nodes.child(parent, page, data[done * size : (done + 1) * size])
+            return Path(done + len(rest), (), np.concatenate([*map(_node_range, runs), rest]))
+        node = branch(parent, done, data)
         if node is None:
             break
         length = _run_length(nodes, node, done, pages, data)
         runs.append((node, length))
         done += length
         parent = node + length - 1
-    if len(runs) == 1:
-        return _new_tuple(Path, (*runs[0], None))
     if not runs:
         return NO_PATH
-    return Path(0, done, np.concatenate([*map(_node_range, runs)]))
+    return _new_tuple(Path, (done, tuple(runs), None))
 
 
 def _run_length(nodes: Nodes, node: int, depth: int, pages: int, data: bytes) -> int:
@@ -82,14 +96,15 @@ def _run_length(nodes: Nodes, node: int, depth: int, pages: int, data: bytes) ->
     if broken >= 0:
         most = broken + 1
     size = nodes.page_bytes
-    stored = nodes.token_bytes[node * size : (node + most) * size].tobytes()
-    wanted = data[depth * size : (depth + most) * size]
-    if stored == wanted:
+    # bytes.startswith compares the index's memory in place (no copy of the run first).
+    stored = nodes.token_bytes[node * size : (node + most) * size]
+    offset = depth * size
+    if data.startswith(stored, offset):
         return most
     equal, unequal = 1, most  # the first `equal` pages agree, the first `unequal` do not
     while unequal - equal > 1:
         middle = (equal + unequal) // 2
-        if stored[: middle * size] == wanted[: middle * size]:
+        if data.startswith(stored[: middle * size], offset):
             equal = middle
         else:
             unequal = middle

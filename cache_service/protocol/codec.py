@@ -14,7 +14,8 @@ from typing import Any, Literal, NamedTuple
 
 import msgpack
 
-from cache_service.messages import ErrorReply, Reply, Request
+from cache_service.events import Namespace
+from cache_service.messages import ErrorReply, Match, MatchResult, PackedSpan, Reply, Request
 from cache_service.protocol.errors import (
     BAD_FIELD,
     BAD_FRAME,
@@ -35,6 +36,7 @@ from cache_service.protocol.table import (
     ERROR,
     ERROR_BODY,
     KIND_OF,
+    MATCH,
     MESSAGES,
     OK,
     OK_ENVELOPE_KEYS,
@@ -45,6 +47,7 @@ from cache_service.protocol.table import (
 )
 
 _tuple_new = tuple.__new__
+_MATCH_FIELDS = MESSAGES[MATCH].request.fields.keys()
 
 
 class Message(NamedTuple):
@@ -163,6 +166,8 @@ def _decode_body(envelope: dict, expect: str, request_id: int, limits: Limits) -
         plan = MESSAGES[answers].reply
     elif kind == ERROR:
         plan = ERROR_BODY
+    elif kind == MATCH and (body := _match_body(envelope["b"], limits)) is not None:
+        return _tuple_new(Message, (kind, request_id, body, answers))
     else:
         plan = MESSAGES[kind].request
     wire = envelope["b"]
@@ -191,6 +196,32 @@ def _check_body(wire: Any, plan: Body, limits: Limits) -> Any:
     return _tuple_new(
         plan.type, [check(wire[name], path, limits) for name, check, path in plan.checks]
     )
+
+
+def _match_body(wire: Any, limits: Limits) -> Match | None:
+    """A MATCH request's body when every field passes the table's checks (the same tests,
+    inline: one per lookup); None for anything else, which the table's checks then name."""
+    if type(wire) is not dict or wire.keys() != _MATCH_FIELDS:
+        return None
+    namespace, tokens, requester = wire["namespace"], wire["tokens"], wire["requester"]
+    if type(namespace) is not list or len(namespace) != 3:
+        return None
+    model, adapter, salt = namespace
+    longest = limits.max_str_len
+    if not (
+        type(model) is str
+        and type(adapter) is str
+        and type(salt) is str
+        and len(model) <= longest
+        and len(adapter) <= longest
+        and len(salt) <= longest
+        and type(tokens) is bytes
+        and not len(tokens) & 3
+        and len(tokens) <= 4 * limits.max_tokens
+        and (requester is None or (type(requester) is str and 0 < len(requester) <= longest))
+    ):
+        return None
+    return _tuple_new(Match, (_tuple_new(Namespace, namespace), tokens, requester))
 
 
 def _deep(path: str, allowed: int) -> ProtocolError:
@@ -236,13 +267,22 @@ def encode(msg: Message, *, limits: Limits = DEFAULT_LIMITS, check: bool = True)
         ProtocolError: an unknown type, a body of the wrong type, an unencodable or invalid
             value, or a frame over max_frame_bytes.
     """
+    if not check and msg[3] == MATCH and msg[0] == OK and type(msg[2]) is MatchResult:
+        return _encode_match_reply(msg[1], msg[2], limits)
+    frame = _encode(msg, limits)
+    if check:
+        decode(frame, "request" if msg[0] in MESSAGES else "reply", limits=limits)
+    return frame
+
+
+def _encode(msg: Message, limits: Limits) -> bytes:
     kind, request_id, body, answers = msg
     if kind in MESSAGES:
-        plan, expect, lowest = MESSAGES[kind].request, "request", 1
+        plan, lowest = MESSAGES[kind].request, 1
     elif kind == OK and answers in MESSAGES:
-        plan, expect, lowest = MESSAGES[answers].reply, "reply", 0
+        plan, lowest = MESSAGES[answers].reply, 0
     elif kind == ERROR:
-        plan, expect, lowest = ERROR_BODY, "reply", 0
+        plan, lowest = ERROR_BODY, 0
     else:
         raise ProtocolError(UNKNOWN_TYPE, f"cannot encode type {kind!r} answering {answers!r}")
     request_id = _check_request_id(request_id, lowest)
@@ -276,6 +316,38 @@ def encode(msg: Message, *, limits: Limits = DEFAULT_LIMITS, check: bool = True)
             f"{limits.max_frame_bytes}",
             request_id,
         )
-    if check:
-        decode(frame, expect, limits=limits)
+    return frame
+
+
+def _encode_match_reply(request_id: int, body: MatchResult, limits: Limits) -> bytes:
+    """`encode` of an OK reply to MATCH, unchecked, as the server sends one per lookup: the
+    same frame as the general path (the same envelope, in the same key order), made
+    without its table lookups; spans other than PackedSpans take the general path."""
+    request_id = _check_request_id(request_id, 0)
+    matched, spans = body
+    wire = []
+    for span in spans if type(spans) is tuple else (None,):
+        if type(span) is not PackedSpan:
+            return _encode(Message(OK, request_id, body, MATCH), limits)
+        wire.append(list(span))
+    envelope = {
+        "v": PROTOCOL_VERSION,
+        "t": OK,
+        "id": request_id,
+        "b": {"matched_tokens": matched, "spans": wire},
+        "r": MATCH,
+    }
+    try:
+        frame = msgpack.packb(envelope, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(
+            BAD_FIELD, f"{MATCH}.reply: cannot encode body: {exc}", request_id
+        ) from None
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError(
+            TOO_LARGE,
+            f"{MATCH}.reply: frame of {len(frame)} bytes exceeds max_frame_bytes "
+            f"{limits.max_frame_bytes}",
+            request_id,
+        )
     return frame

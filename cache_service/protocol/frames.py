@@ -63,8 +63,12 @@ def unpack(frame: Any, limits: Limits) -> Any:
     if size == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
     kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
-    budget = _Budget(limits.max_containers)
     try:
+        if size <= limits.max_containers:
+            # Every list and map takes a byte of the frame at least, so a frame this short
+            # cannot build more than max_containers of them: no hooks to count them.
+            return msgpack.unpackb(frame, **kwargs)
+        budget = _Budget(limits.max_containers)
         return msgpack.unpackb(frame, list_hook=budget, object_hook=budget, **kwargs)
     except ProtocolError as exc:  # over the container budget: no second try
         raise ProtocolError(exc.code, exc.message, _peek_request_id(frame, size)) from None

@@ -749,7 +749,7 @@ def make_fragmented_index() -> GlobalIndex:
 def test_a_path_of_many_runs(runs):
     index = make_fragmented_index()
     with mock.patch.object(walk_module, "MAX_RUNS", runs):
-        assert path_of(index, make_tokens(1, 2, 3)).nodes.tolist() == [1, 3, 5]
+        assert path_of(index, make_tokens(1, 2, 3)).node_ids() == [1, 3, 5]
         assert spans(index.match(NS, make_tokens(1, 2, 3, 4))) == [("a", (0, 1, 2))]
         assert spans(index.match(NS, make_tokens(9, 8, 5))) == [("c", (0, 1))]
         assert index.route(NS, make_tokens(1, 2, 3), {"a": 0.0, "c": 0.0}).matched_tokens == 3 * P
@@ -760,8 +760,24 @@ def test_a_chain_published_at_once_is_one_run():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((5, 6, 7), (1, 2, 3)))
     path = path_of(index, make_tokens(1, 2, 3, 4))
-    assert (path.start, path.length, path.nodes) == (1, 3, None)  # node 0 is the root
+    assert (path.length, path.runs, path.nodes) == (3, ((1, 3),), None)  # node 0: the root
     assert path_of(index, make_tokens(1, 2, 4)).length == 2
+    index.check_integrity()
+
+
+def test_a_remembered_branch_is_checked_before_use():
+    """The walk remembers the child it found below each branch; once that node is released
+    and its id reused for another page, the entry is stale and no match comes of it."""
+    index = make_index("a")
+    apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
+    apply_ok(index, "a", 2, AllCleared())
+    apply_ok(index, "a", 3, stored((5, 6), (3, 2)))  # the same node ids, other tokens
+    assert index.match(NS, make_tokens(1, 2)).matched_tokens == 0
+    assert spans(index.match(NS, make_tokens(3, 2))) == [("a", (5, 6))]
+    apply_ok(index, "a", 4, AllCleared())
+    apply_ok(index, "a", 5, stored((7, 8), (1, 2)))
+    assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (7, 8))]
     index.check_integrity()
 
 
