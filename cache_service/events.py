@@ -7,6 +7,7 @@ encode to msgpack field by field (no pickle) and compare by value in tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -27,14 +28,16 @@ class PagesStored(NamedTuple):
 
     `page_ids[0]` is a child of `parent_page` (None: a child of the namespace root) and
     each following page is a child of the one before. `tokens` holds the token ids of
-    all pages back to back, `page_tokens` per page, so a reader compares them exactly.
+    all pages back to back, `page_tokens` per page, so a reader compares them exactly: a
+    tuple of ints, or (as the prefix cache emits them) `cache_service.tokens.PackedTokens`,
+    which equals that tuple and keeps the packed bytes for the wire.
     """
 
     namespace: Namespace
     parent_page: int | None
     page_ids: tuple[int, ...]
     generations: tuple[int, ...]
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | Sequence[int]
 
 
 class PagesRemoved(NamedTuple):

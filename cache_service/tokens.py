@@ -44,6 +44,8 @@ def pack_tokens(ids: TokenIds) -> bytes:
             names the first offending id and its index).
     """
     if type(ids) is not list:  # lists, the common case, need none of these checks
+        if type(ids) is PackedTokens:
+            return ids.packed
         if isinstance(ids, str | bytes | bytearray | memoryview):
             raise ValueError(f"pack_tokens takes token ids, not {type(ids).__name__}")
         if isinstance(ids, np.ndarray):
@@ -77,18 +79,20 @@ def pack_tokens(ids: TokenIds) -> bytes:
         if _BIG_ENDIAN:
             packed.byteswap()
         return packed.tobytes()
-    # Two numpy reductions check what array('I') let through: ids past int32, and bools
-    # (an int subclass, taken as 1 and 0; a bool among token ids is a caller's bug), for
-    # which only ids below 2 are looked at.
-    view = np.frombuffer(packed, dtype=np.uint32)
-    if len(view) and (view.max() > INT32_MAX or view.min() < 2):
-        if view.max() > INT32_MAX:
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    raw = packed.tobytes()
+    # One numpy reduction checks what array('I') let through: ids past int32, which read
+    # as negative int32, and bools (an int subclass, taken as 1 and 0; a bool among token
+    # ids is a caller's bug), for which only ids below 2 are looked at. Read as int32,
+    # both are below 2, so a prompt with neither costs a single min().
+    view = np.frombuffer(raw, dtype=TOKEN_DTYPE)
+    if len(view) and view.min() < 2:
+        if view.view(np.dtype("<u4")).max() > INT32_MAX:
             raise ValueError(_first_bad_id(ids))
         if any(type(ids[i]) is bool for i in np.flatnonzero(view < 2).tolist()):
             raise ValueError(_first_bad_id(ids))
-    if _BIG_ENDIAN:
-        packed.byteswap()
-    return packed.tobytes()
+    return raw
 
 
 def as_packed(tokens: TokenInput) -> bytes:
@@ -127,6 +131,58 @@ def token_tuple(packed: bytes | bytearray | memoryview) -> tuple[int, ...]:
     if len(packed) % TOKEN_BYTES:
         raise ValueError(f"packed tokens are {len(packed)} bytes, not a multiple of 4")
     return struct.unpack(f"<{len(packed) // TOKEN_BYTES}i", packed)
+
+
+class PackedTokens(Sequence[int]):
+    """Token ids held as their packed bytes: a read-only sequence of ints that compares,
+    hashes and prints as the tuple of the same ids.
+
+    What a KV event carries: the prefix cache has a chain's tokens packed already and the
+    wire sends those bytes as they are, so the ids are unpacked (a 512-token tuple costs
+    about as much as a publish's trie work) only if a reader indexes or iterates them.
+
+    Raises:
+        ValueError: the bytes are not a whole number of tokens.
+    """
+
+    __slots__ = ("packed", "_ids")
+
+    def __init__(self, packed: bytes):
+        if len(packed) % TOKEN_BYTES:
+            raise ValueError(f"packed tokens are {len(packed)} bytes, not a multiple of 4")
+        self.packed = packed
+        self._ids: tuple[int, ...] | None = None
+
+    def ids(self) -> tuple[int, ...]:
+        """The token ids as a tuple (unpacked once, then kept)."""
+        if self._ids is None:
+            self._ids = token_tuple(self.packed)
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self.packed) // TOKEN_BYTES
+
+    def __getitem__(self, index):
+        return self.ids()[index]
+
+    def __iter__(self):
+        return iter(self.ids())
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is PackedTokens:
+            return self.packed == other.packed
+        if isinstance(other, tuple):
+            return self.ids() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.ids())
+
+    def __repr__(self) -> str:
+        return repr(self.ids())
+
+    def __reduce__(self) -> tuple:
+        return (PackedTokens, (self.packed,))
 
 
 def split_pages(packed: bytes, page_tokens: int) -> list[bytes]:

@@ -236,12 +236,16 @@ class PagePool:
         if set(map(len, digests)) != {DIGEST_BYTES}:
             bad = next(d for d in digests if len(d) != DIGEST_BYTES)
             raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(bad)}")
-        if EMPTY_DIGEST in digests:
+        blob = b"".join(digests)
+        # One C search of the joined digests instead of a comparison per digest: 16 zero
+        # bytes almost never occur in real digests, and where they do (across two of
+        # them) the exact check below tells.
+        if blob.find(EMPTY_DIGEST) >= 0 and EMPTY_DIGEST in digests:
             page = pages[list(digests).index(EMPTY_DIGEST)]
             raise ValueError(f"page {page}: the empty digest is what an unpublished page holds")
         view = self._digest_bytes
         if run:
-            view[first * DIGEST_BYTES : (first + n) * DIGEST_BYTES] = b"".join(digests)
+            view[first * DIGEST_BYTES : (first + n) * DIGEST_BYTES] = blob
             return
         for page, digest in zip(pages, digests, strict=True):
             start = page * DIGEST_BYTES
@@ -288,6 +292,16 @@ def generation_rows(
         pages = np.asarray(page_ids, dtype=np.int64).reshape(-1).tolist()
     if not pages:
         return []
+    low = pages[0]
+    high = low + len(pages) - 1
+    if (
+        pages[-1] == high
+        and low >= 0
+        and high < num_pages
+        and isinstance(generations, np.ndarray)
+        and pages == list(range(low, high + 1))
+    ):
+        return generations[low : high + 1].tolist()  # the common case, no min/max scans
     low, high = min(pages), max(pages)
     if low < 0 or high >= num_pages:
         bad = [p for p in pages if not 0 <= p < num_pages]

@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 from cache_service.events import AllCleared, KvEvent, Namespace, PagesRemoved, PagesStored
 from cache_service.tokens import TOKEN_BYTES as _TOKEN_BYTES
-from cache_service.tokens import pack_tokens, token_tuple
+from cache_service.tokens import PackedTokens, pack_tokens
 from workers.digests import EMPTY_DIGEST, chain_digests, next_digest, root_digest
 from workers.eviction import EVICTION_POLICIES, make_eviction_policy
 from workers.page_pool import PageAllocator
@@ -982,7 +982,7 @@ class PrefixCache:
             generations = tuple(self._generations(pages))
         else:
             generations = tuple(self._allocator.generation(page) for page in pages)
-        return PagesStored(namespace, parent_page, tuple(pages), generations, token_tuple(key))
+        return PagesStored(namespace, parent_page, tuple(pages), generations, PackedTokens(key))
 
     # ------------------------------------------------------------------ integrity
 

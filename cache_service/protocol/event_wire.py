@@ -32,7 +32,7 @@ from cache_service.protocol.fields import (
     describe,
 )
 from cache_service.protocol.packed import check_packed, pack_ints
-from cache_service.tokens import pack_tokens, split_pages, token_tuple
+from cache_service.tokens import PackedTokens, pack_tokens, split_pages, token_tuple
 
 STORED_TAG = "s"
 REMOVED_TAG = "r"
@@ -57,14 +57,18 @@ _WirePagesStored.__name__ = "PagesStored"
 def packed_tokens(event: PagesStored) -> bytes:
     """The tokens of a stored chain as packed int32 bytes.
 
-    An event decoded here returns the bytes it arrived in (no repacking); any other
+    An event decoded here returns the bytes it arrived in, and one whose tokens are
+    `PackedTokens` (the prefix cache's) the bytes they hold (no repacking); any other
     PagesStored is packed now.
 
     Raises:
         ValueError: the tokens are not int32 ids.
     """
     packed = getattr(event, "_packed", None)
-    return packed if packed is not None else pack_tokens(event.tokens)
+    if packed is not None:
+        return packed
+    tokens = event.tokens
+    return tokens.packed if type(tokens) is PackedTokens else pack_tokens(tokens)
 
 
 def check_stored(event: PagesStored, page_tokens: int) -> None:

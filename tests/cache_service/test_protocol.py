@@ -97,7 +97,7 @@ from cache_service.protocol import (
 from cache_service.protocol.curve_keys import raw_key, z85_key
 from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TENANTS
 from cache_service.protocol.spans import check_spans
-from cache_service.tokens import pack_tokens, split_pages, unpack_tokens
+from cache_service.tokens import PackedTokens, pack_tokens, split_pages, unpack_tokens
 
 FUZZ = settings(
     max_examples=150,
@@ -658,6 +658,10 @@ def test_stored_chain_keeps_its_packed_tokens():
     assert "PagesStored(namespace=" in repr(event)
     assert packed_tokens(make_stored(3, 4)) == packed_tokens(event)
     assert stored_pages(event, 4) == split_pages(pack_tokens(make_tokens(12, start=100)), 4)
+    # The prefix cache's events carry PackedTokens: encoded from the bytes they hold.
+    held = make_stored(3, 4)._replace(tokens=PackedTokens(packed_tokens(event)))
+    assert held == event and packed_tokens(held) is held.tokens.packed
+    assert encode_event(held) == encode_event(make_stored(3, 4))
     check_stored(event, 4)
     with pytest.raises(ProtocolError, match="3 pages carries 12 tokens; at 2 tokens a page"):
         check_stored(event, 2)

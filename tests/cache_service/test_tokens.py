@@ -3,11 +3,12 @@ the wire and as page keys.
 
 Round trips at the int32 bounds, every input form packing to the same bytes, rejection
 (plain ValueError, naming the offending id) of what is not int32, packed bytes taken as
-they are, and the split into full pages.
+they are, the split into full pages, and `PackedTokens` standing for the tuple of its ids.
 """
 
 from __future__ import annotations
 
+import pickle
 import struct
 from array import array
 
@@ -16,6 +17,7 @@ import pytest
 
 from cache_service.protocol import ProtocolError
 from cache_service.tokens import (
+    PackedTokens,
     as_packed,
     pack_tokens,
     split_pages,
@@ -189,3 +191,19 @@ def test_split_pages_keeps_full_pages_as_bytes():
     for page_tokens in (0, -1):
         with pytest.raises(ValueError, match="page_tokens must be >= 1"):
             split_pages(packed, page_tokens)
+
+
+def test_packed_tokens_is_the_tuple_of_its_ids():
+    ids = (-(2**31), 0, 7, 2**31 - 1)
+    held = PackedTokens(pack_tokens(ids))
+    assert held == ids and ids == held and (held != ids) is False
+    assert held != list(ids)  # as a tuple is not a list
+    assert held != ids[:3] and held != PackedTokens(pack_tokens(ids[:3]))
+    assert held == PackedTokens(pack_tokens(ids))
+    assert hash(held) == hash(ids) and {held: 1}[ids] == 1
+    assert len(held) == 4 and held[2] == 7 and held[1:3] == (0, 7) and list(held) == list(ids)
+    assert repr(held) == repr(ids)
+    assert pickle.loads(pickle.dumps(held)) == ids
+    assert pack_tokens(held) is held.packed and as_packed(held) is held.packed
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        PackedTokens(b"abc")
