@@ -303,17 +303,19 @@ def _encode(msg: Message, limits: Limits) -> bytes:
     envelope = {"v": PROTOCOL_VERSION, "t": kind, "id": request_id, "b": wire}
     if kind == OK:
         envelope["r"] = answers
+    return _pack(envelope, plan.path, request_id, limits)
+
+
+def _pack(envelope: dict, path: str, request_id: int, limits: Limits) -> bytes:
+    """The envelope as a frame, within max_frame_bytes."""
     try:
         frame = msgpack.packb(envelope, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(
-            BAD_FIELD, f"{plan.path}: cannot encode body: {exc}", request_id
-        ) from None
+        raise ProtocolError(BAD_FIELD, f"{path}: cannot encode body: {exc}", request_id) from None
     if len(frame) > limits.max_frame_bytes:
         raise ProtocolError(
             TOO_LARGE,
-            f"{plan.path}: frame of {len(frame)} bytes exceeds max_frame_bytes "
-            f"{limits.max_frame_bytes}",
+            f"{path}: frame of {len(frame)} bytes exceeds max_frame_bytes {limits.max_frame_bytes}",
             request_id,
         )
     return frame
@@ -337,17 +339,4 @@ def _encode_match_reply(request_id: int, body: MatchResult, limits: Limits) -> b
         "b": {"matched_tokens": matched, "spans": wire},
         "r": MATCH,
     }
-    try:
-        frame = msgpack.packb(envelope, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(
-            BAD_FIELD, f"{MATCH}.reply: cannot encode body: {exc}", request_id
-        ) from None
-    if len(frame) > limits.max_frame_bytes:
-        raise ProtocolError(
-            TOO_LARGE,
-            f"{MATCH}.reply: frame of {len(frame)} bytes exceeds max_frame_bytes "
-            f"{limits.max_frame_bytes}",
-            request_id,
-        )
-    return frame
+    return _pack(envelope, f"{MATCH}.reply", request_id, limits)
