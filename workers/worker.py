@@ -481,7 +481,7 @@ class Worker:
         first, end = local // p, min(matched, len(tokens) - 1) // p
         page_bytes = self.store.layout.page_bytes
         links = {
-            s.worker_id: self.links.link(s.worker_id, self._remote(s.worker_id))
+            s.worker_id: self.links.link(s.worker_id, self._across_nodes(s.worker_id))
             for s in spans
             if s.worker_id in self.peers
         }
@@ -533,7 +533,7 @@ class Worker:
         )
         log.info("worker %s found peer %s in the service's registry", self.worker_id, worker_id)
 
-    def _remote(self, worker_id: str) -> bool:
+    def _across_nodes(self, worker_id: str) -> bool:
         return self.peers[worker_id].node_id != self.settings.node_id
 
     def _prefill_profile(self) -> PrefillProfile:
