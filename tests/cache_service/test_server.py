@@ -140,9 +140,10 @@ def test_silent_worker_expires():
         clock.now += 0.3  # exactly the timeout: still alive
         assert fast.run_housekeeping() == []
         clock.now += 0.01
-        assert fast.run_housekeeping() == ["a"]
-        assert client.match(NS, list(range(9)))[0] == 0
+        # The loop's own housekeeping round (on the same clock) may expire it first.
+        assert fast.run_housekeeping() in (["a"], [])
         assert fast.stats()["removed_workers"] == {"expired": 1}
+        assert client.match(NS, list(range(9)))[0] == 0
         assert pub.heartbeat()  # comes back: registers again and resyncs
         assert client.match(NS, list(range(9)))[0] == 8
     finally:
