@@ -170,26 +170,28 @@ def load_smollm2(
     return load_model(SMOLLM2_135M, cache_dir, dtype)
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, **sizes: Any) -> LlamaForCausalLM:
     """A tiny random `LlamaForCausalLM` for unit tests: no files, builds in milliseconds.
 
     2 layers, hidden 64, 4 query heads sharing 2 KV heads (GQA, like the real model),
-    head dim 16, vocab 256. The global RNG is left untouched.
+    head dim 16, vocab 256; `sizes` overrides any of these LlamaConfig fields (a test that
+    needs a slower model). The global RNG is left untouched.
     """
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
+    fields = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
         # Larger than the usual 0.02 so attention is far from uniform: a token read from
         # the wrong page slot then moves the logits well past the tests' 1e-4 tolerance.
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-    )
+        "initializer_range": 0.3,
+        "tie_word_embeddings": False,
+    }
+    config = LlamaConfig(**{**fields, **sizes})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

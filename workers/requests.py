@@ -32,7 +32,10 @@ def check_tokens(tokens: Sequence[object], vocab_size: int, what: str = "token i
     Raises:
         ValueError: an id that is not an int (bools included) or lies outside the vocabulary.
     """
-    out = []
+    # The usual case, checked in C: plain ints (bools are not: their type is bool), in range.
+    if tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size:
+        return list(tokens)
+    out = []  # otherwise one by one, to name the first bad id (numpy integers pass)
     for i, token in enumerate(tokens):
         # numpy integers are Integral too; bools are ints to Python but never token ids
         if not isinstance(token, numbers.Integral) or isinstance(token, bool):

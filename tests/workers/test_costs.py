@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from workers import costs
@@ -20,6 +18,7 @@ from workers.costs import (
     Share,
     decide,
 )
+from workers.model_runner import tiny_llama
 from workers.prefix_cache import PrefixCacheConfig
 from workers.worker import Worker, WorkerSettings
 
@@ -182,20 +181,7 @@ PROMPT = [(7 * i + 3) % 250 for i in range(1001)]  # 250 full pages, then 1 toke
 def bigger_llama():
     """A random Llama big enough that prefilling 1000 tokens clearly costs more than the
     copy-in's fixed costs (the match, the digests), still under a second on a CPU."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
+    return tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)
 
 
 def _worker(service, worker_id: str) -> Worker:
