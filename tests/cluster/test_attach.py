@@ -373,7 +373,9 @@ def test_a_lost_worker_is_refused(owner):
 def test_the_owner_still_stops_everything(started):
     owner, stores = started
     assert [name.rsplit("-", 1)[1] for name in stores] == ["w0", "w1"]
-    assert all((Path(SHM_DIR) / name).exists() for name in stores)
+    # The live w0's store is there; the killed w1's may already be gone, reclaimed by
+    # w0's housekeeping (a worker unlinks the segments of dead workers on its node).
+    assert (Path(SHM_DIR) / stores[0]).exists()
 
     owner.stop()
     owner.stop()  # idempotent
@@ -382,7 +384,7 @@ def test_the_owner_still_stops_everything(started):
     with pytest.raises(RuntimeError, match="mesh is shut down"):
         owner.generate(PROMPT, 1, worker="w0")
     # Both page stores are gone: the live w0's unlinked by w0 as it shut down, the killed
-    # w1's reclaimed by `stop`.
+    # w1's reclaimed by w0's housekeeping or by `stop`.
     deadline = time.monotonic() + 10.0
     while (left := [n for n in stores if (Path(SHM_DIR) / n).exists()]) and (
         time.monotonic() < deadline
