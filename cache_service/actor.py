@@ -10,17 +10,20 @@ the new endpoint, register again and resync their holdings.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cache_service.auth import MeshKeys, tenant_salt
+from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.malloc import keep_large_blocks_mapped
 from cache_service.server import ServerConfig, make_server
 
 SERVICE_NAME = "kvmesh-service"
+MAX_ENROLLED = 256  # engines a mesh admits beyond its own workers (bounded state)
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 RAY_NAMESPACE = "kvmesh"
 
 
@@ -55,6 +58,9 @@ class ServiceActor:
         self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()
+        # Engines that joined since (`enroll`). A restarted actor starts without them:
+        # an engine enrolls again when the service's epoch changes.
+        self.enrolled: dict[str, KeyPair] = {}
 
     def endpoint(self) -> dict[str, Any]:
         """Where workers reach the service: address, epoch, CurveZMQ public key or None."""
@@ -69,6 +75,39 @@ class ServiceActor:
     def credentials(self) -> dict[str, Any]:
         """The mesh's keys and secret, for a front door that attaches (through Ray only)."""
         return {"keys": self.keys.to_dict(), "auth": self.auth}
+
+    def enroll(self, worker_id: str) -> dict[str, Any]:
+        """Make `worker_id` a worker of this mesh: an engine (a vLLM process with kvmesh's
+        connector) that joined through Ray. Returns its key pair (the same one each time
+        it asks: its scheduler and worker processes both enroll) and what it needs to
+        talk to the service: the endpoint and the mesh secret (tenant salts, signed page
+        reads), and the tokens per page of the index. Only through Ray: whoever reaches this actor is inside the cluster.
+
+        Raises:
+            ValueError: `worker_id` is not a plain name, is one of the launcher's workers,
+                or the mesh already holds MAX_ENROLLED engines.
+        """
+        if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):
+            raise ValueError(
+                f"an engine's worker id is 1-64 of a-z, A-Z, 0-9, '-', '_', '.', got {worker_id!r}"
+            )
+        if worker_id in self.keys.workers:
+            raise ValueError(f"{worker_id!r} is one of the mesh's own workers: pick another id")
+        pair = self.enrolled.get(worker_id)
+        if pair is None:
+            if len(self.enrolled) >= MAX_ENROLLED:
+                raise ValueError(f"the mesh already holds {MAX_ENROLLED} engines")
+            pair = KeyPair.generate()
+            if self.auth:
+                self.server.admit_worker(worker_id, pair.public)
+            self.enrolled[worker_id] = pair
+        return {
+            "worker_id": worker_id,
+            "keypair": tuple(pair) if self.auth else None,
+            "secret": self.keys.secret,
+            "endpoint": self.endpoint(),
+            "page_tokens": self.config.page_tokens,  # the index's: every worker's pages
+        }
 
     def describe(self) -> dict[str, Any]:
         """The mesh around this service, as its launcher described it (empty when the

@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from cache_service import metrics, protocol, zap
 from cache_service.addresses import check_bind_host
-from cache_service.auth import Identity, ServerKeys, allowed
+from cache_service.auth import WORKER, Identity, ServerKeys, allowed
 from cache_service.index import GlobalIndex, PeerAddress, RegistryFull, StaleEpoch
 from cache_service.messages import (
     Ack,
@@ -210,6 +210,9 @@ class ServiceServer:
             if keys is None
             else {who.worker_id: key for key, who in keys.clients.items() if who.worker_id}
         )
+        # Who each admitted key is: the launcher's keys, and engines enrolled since
+        # (`admit_worker`); read by the loop only, grown through it.
+        self._clients: dict[bytes, Identity] = {} if keys is None else dict(keys.clients)
 
     @property
     def address(self) -> str:
@@ -311,6 +314,30 @@ class ServiceServer:
     def _check_integrity(self) -> None:
         self.index.check_integrity()
         self.reports.check_integrity()
+
+    def admit_worker(self, worker_id: str, public_key: bytes) -> None:
+        """Admit a worker that joined after the mesh started (a vLLM engine), bound to
+        `worker_id`, from now on. Idempotent for the same key.
+
+        Raises:
+            RuntimeError: the server has no keys (it admits anyone already).
+            ValueError: `worker_id` is bound to another key, or the key to another identity.
+        """
+        if self.keys is None:
+            raise RuntimeError("this server serves without keys: there is nobody to admit")
+        self._in_loop(lambda: self._admit_worker(worker_id, public_key))
+
+    def _admit_worker(self, worker_id: str, public_key: bytes) -> None:
+        known = self._worker_keys.get(worker_id)
+        if known not in (None, public_key):
+            raise ValueError(f"worker id {worker_id!r} is already bound to another key")
+        who = self._clients.get(public_key)
+        if who not in (None, Identity(WORKER, worker_id)):
+            raise ValueError(f"that key already speaks as {who}")
+        self._clients[public_key] = Identity(WORKER, worker_id)
+        self._worker_keys[worker_id] = public_key
+        if self._zap_domain:
+            zap.admit(self._zap_domain, public_key)
 
     def run_housekeeping(self) -> list[str]:
         """Expire silent workers now, by the server's clock; the expired worker ids."""
@@ -428,7 +455,7 @@ class ServiceServer:
             return socket.recv_multipart(zmq.NOBLOCK, copy=True), None
         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         # The ZAP handler admitted the key; its z85 form is the message's User-Id.
-        speaker = self.keys.clients.get(frames[-1].get("User-Id").encode())
+        speaker = self._clients.get(frames[-1].get("User-Id").encode())
         return [frame.bytes for frame in frames], speaker
 
     def _serve(self, socket: zmq.Socket, frames: list[bytes], speaker: Identity | None) -> None:

