@@ -81,7 +81,8 @@ class ServiceActor:
         connector) that joined through Ray. Returns its key pair (the same one each time
         it asks: its scheduler and worker processes both enroll) and what it needs to
         talk to the service: the endpoint and the mesh secret (tenant salts, signed page
-        reads), and the tokens per page of the index. Only through Ray: whoever reaches this actor is inside the cluster.
+        reads), and the index's tokens per page. Only through Ray: whoever reaches this
+        actor is inside the cluster.
 
         Raises:
             ValueError: `worker_id` is not a plain name, is one of the launcher's workers,

@@ -47,7 +47,7 @@ from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.costs import measure_links
 from workers.digests import page_digests
 from workers.figures import WorkerFigures
-from workers.page_store import SharedPageStore, StoreLayout, reclaim_dead_segments
+from workers.page_store import SharedPageStore, StoreLayout, reclaim_dead_segments, worker_tag
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
 
@@ -147,8 +147,7 @@ def join_mesh(worker_id: str, ray_address: str = "auto") -> Enrollment:
         service = get_service()
     except ValueError:
         raise RuntimeError(
-            f"no kvmesh mesh runs in the Ray cluster at {ray_address!r}: start one with "
-            "`kvmesh up`"
+            f"no kvmesh mesh runs in the Ray cluster at {ray_address!r}: start one with `kvmesh up`"
         ) from None
     try:
         data = ray.get(service.enroll.remote(worker_id), timeout=30)
@@ -265,7 +264,7 @@ class EngineCache:
         self.enrollment = enrollment
         self.worker_id = enrollment.worker_id
         reclaim_dead_segments()
-        self.store = SharedPageStore.create(layout, tag=re.sub(r"[^a-z0-9_]", "_", self.worker_id.lower())[:32])
+        self.store = SharedPageStore.create(layout, tag=worker_tag(self.worker_id))
         self.cache = PrefixCache(self.store, PrefixCacheConfig(page_tokens=layout.page_tokens))
         self.figures = WorkerFigures()
         keys = enrollment.keypair
@@ -371,7 +370,8 @@ class EngineCache:
         if not tasks:
             return have
         plan = CopyPlan(tasks, have, tasks[-1].end, 0.0, 0.0)
-        expected = page_digests(spec.namespace, self.store.kv_format, spec.tokens[: plan.end * p], p)
+        tokens = spec.tokens[: plan.end * p]
+        expected = page_digests(spec.namespace, self.store.kv_format, tokens, p)
         sources = {t.holder: self.sources.get(peers[t.holder]) for t in tasks}
         outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
         for result in outcome.results:

@@ -245,6 +245,11 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[22 - 3])
 
 
+def worker_tag(worker_id: str) -> str:
+    """A segment tag naming a worker: its id in [a-z0-9_], at most 32 characters."""
+    return re.sub(r"[^a-z0-9_]", "_", worker_id.lower())[:32] or "worker"
+
+
 def _segment_name(tag: str | None) -> str:
     if tag is None:
         tag = secrets.token_hex(4)

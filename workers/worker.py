@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import re
 import threading
 import time
 from collections import Counter
@@ -56,7 +55,7 @@ from workers.model_runner import (
     eos_token_ids,
     store_layout_for,
 )
-from workers.page_store import SharedPageStore, reclaim_dead_segments
+from workers.page_store import SharedPageStore, reclaim_dead_segments, worker_tag
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
 from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
@@ -132,7 +131,7 @@ class Worker:
         # A restarted worker's predecessor (or any dead worker on this node) could not
         # unlink its store: that memory comes back before ours is taken.
         reclaim_dead_segments()
-        self.store = SharedPageStore.create(layout, tag=_tag(settings.worker_id))
+        self.store = SharedPageStore.create(layout, tag=worker_tag(settings.worker_id))
         self.cache = PrefixCache(self.store, settings.cache)
         self.runner = ModelRunner(model, self.store)
         self.context_tokens = models.model_shape(settings.model).context_tokens
@@ -554,11 +553,6 @@ class Worker:
                 raise ValueError("this worker's model has no tokenizer: pass token ids")
             return list(self.tokenizer.encode(prompt))
         return prompt_tokens(prompt)
-
-
-def _tag(worker_id: str) -> str:
-    tag = re.sub(r"[^a-z0-9_]", "_", worker_id.lower())[:32]
-    return tag or "worker"
 
 
 def _ray_resolver():
