@@ -14,6 +14,7 @@ import re
 import time
 from typing import Any
 
+import msgpack
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -58,9 +59,13 @@ class ServiceActor:
         self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()
-        # Engines that joined since (`enroll`). A restarted actor starts without them:
-        # an engine enrolls again when the service's epoch changes.
-        self.enrolled: dict[str, KeyPair] = {}
+        # Engines that joined since (`enroll`), kept in Ray's key-value store (the GCS,
+        # which holds the mesh's keys as this actor's arguments already): a restarted
+        # actor admits them again, so a running engine reconnects like any worker.
+        self.enrolled: dict[str, KeyPair] = _enrolled()
+        if auth:
+            for worker_id, pair in self.enrolled.items():
+                self.server.admit_worker(worker_id, pair.public)
 
     def endpoint(self) -> dict[str, Any]:
         """Where workers reach the service: address, epoch, CurveZMQ public key or None."""
@@ -102,6 +107,7 @@ class ServiceActor:
             if self.auth:
                 self.server.admit_worker(worker_id, pair.public)
             self.enrolled[worker_id] = pair
+            _keep_enrolled(self.enrolled)
         return {
             "worker_id": worker_id,
             "keypair": tuple(pair) if self.auth else None,
@@ -130,6 +136,37 @@ class ServiceActor:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+_ENROLLED_KEY = b"kvmesh-enrolled-engines"
+
+
+def _enrolled() -> dict[str, KeyPair]:
+    """The engines enrolled by earlier incarnations of the service actor (none outside
+    Ray, as in the tests that build the actor class directly)."""
+    from ray.experimental import internal_kv
+
+    if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
+        return {}
+    raw = internal_kv._internal_kv_get(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
+    if raw is None:
+        return {}
+    return {worker_id: KeyPair(*pair) for worker_id, pair in msgpack.unpackb(raw).items()}
+
+
+def _keep_enrolled(enrolled: dict[str, KeyPair]) -> None:
+    from ray.experimental import internal_kv
+
+    if ray.is_initialized() and internal_kv._internal_kv_initialized():
+        raw = msgpack.packb({worker_id: tuple(pair) for worker_id, pair in enrolled.items()})
+        internal_kv._internal_kv_put(_ENROLLED_KEY, raw, overwrite=True, namespace=RAY_NAMESPACE)
+
+
+def _forget_enrolled() -> None:
+    from ray.experimental import internal_kv
+
+    if ray.is_initialized() and internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_del(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
 
 
 def resolve_host(host: str) -> str:
@@ -166,6 +203,10 @@ def start_service(
     """
     config = config or ServerConfig(host="loopback")
     keys = keys or MeshKeys.generate(())
+    try:
+        get_service()
+    except ValueError:
+        _forget_enrolled()  # a new mesh: engines of an earlier one in this cluster are strangers
     actor_cls = ray.remote(ServiceActor)
     handle = actor_cls.options(
         name=SERVICE_NAME,
@@ -199,3 +240,4 @@ def stop_service() -> None:
     except ValueError:
         return
     ray.kill(handle, no_restart=True)
+    _forget_enrolled()

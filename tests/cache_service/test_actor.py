@@ -14,10 +14,10 @@ from cache_service.actor import (
     start_service,
     stop_service,
 )
-from cache_service.auth import MeshKeys
+from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace
 from cache_service.server import ServerConfig
-from workers.client import ServiceClient, ray_resolver
+from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
 from workers.page_pool import PagePool
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
@@ -78,3 +78,40 @@ def test_killed_service_restarts_and_workers_resync(service):
     cache.check_integrity()
     publisher.stop(bye=True)
     client.close()
+
+
+def _restarted(first_epoch: int) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            endpoint = ray.get(get_service().endpoint.remote(), timeout=5)
+            if endpoint["epoch"] != first_epoch:
+                return endpoint
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "service actor did not restart"
+        time.sleep(0.2)
+
+
+def test_an_enrolled_engine_is_admitted_again_after_a_restart(service):
+    granted = ray.get(service.enroll.remote("vllm-a"))
+    assert ray.get(service.enroll.remote("vllm-a"))["keypair"] == granted["keypair"]  # its key
+    assert granted["secret"] == KEYS.secret and granted["page_tokens"] == P
+    for bad, why in (("w1", "one of the mesh's own workers"), ("a b", "an engine's worker id")):
+        with pytest.raises(ray.exceptions.RayTaskError, match=why):
+            ray.get(service.enroll.remote(bad))
+    pair = KeyPair(*granted["keypair"])
+    with ServiceClient(ray_resolver(), timeout_s=0.5, retries=2, client_keys=pair) as client:
+        assert client.register("vllm-a", "n1").service_epoch == granted["endpoint"]["epoch"]
+        ray.kill(service, no_restart=False)
+        second = _restarted(granted["endpoint"]["epoch"])
+        # The new incarnation admits the engine's key (kept in Ray's key-value store).
+        assert client.register("vllm-a", "n1").service_epoch == second["epoch"]
+    stop_service()
+    # A mesh started afterwards in this cluster does not know the old engine.
+    start_service(ServerConfig(host="loopback", page_tokens=P), KEYS, auth=True)
+    with (
+        ServiceClient(ray_resolver(), timeout_s=0.3, retries=0, client_keys=pair) as client,
+        pytest.raises(ServiceUnavailable),
+    ):
+        client.register("vllm-a", "n1")
