@@ -10,6 +10,8 @@ reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
      "pages":           {"total", "free", "cached", "in_use"} over all workers,
      "nodes":           {node id: {"address", "workers": [worker ids]}},
      "workers":         {worker id: the worker's own figures + "alive", "pages", "hit_rate"},
+     "engines":         {worker id: "live", "queries", "queried_tokens", "hit_tokens",
+                         "hit_rate", "pages"} for engines that joined (vLLM),
      "tenants":         {tenant name: the index's counters + "hit_rate"},
      "service":         the service's statistics as it reports them}
 
@@ -33,6 +35,7 @@ from rich.text import Text
 
 PAGE_STATES = ("total", "free", "cached", "in_use")
 SOURCES = ("local_hit", "remote_hit", "computed")
+ENGINE_FIGURES = ("queries", "queried_tokens", "hit_tokens", "pages")
 
 
 def summarize(
@@ -77,6 +80,17 @@ def summarize(
         )
         node["workers"].append(worker_id)
     cluster = service.get("cluster", {})
+    # Engines: workers of the index that the launcher did not start (vLLM engines that
+    # joined through Ray), with what the index knows of them.
+    engines = {
+        worker_id: {
+            **{key: tally.get(key, 0) for key in ENGINE_FIGURES},
+            "live": bool(tally.get("live")),
+            "hit_rate": _rate(tally.get("hit_tokens", 0), tally.get("queried_tokens", 0)),
+        }
+        for worker_id, tally in sorted(service.get("workers", {}).items())
+        if worker_id not in workers
+    }
     return {
         "ray_address": ray_address,
         "epoch": service.get("service", {}).get("epoch"),
@@ -90,6 +104,7 @@ def summarize(
         "pages": pages,
         "nodes": by_node,
         "workers": rows,
+        "engines": engines,
         "tenants": {
             name: {**tally, "hit_rate": _rate(tally["hit_tokens"], tally["queried_tokens"])}
             for name, tally in service.get("tenants", {}).items()
@@ -133,7 +148,10 @@ def top_view(status: Mapping[str, Any], refreshed: str | None = None) -> Rendera
             if status.get(key)
         ),
     )
-    return Group(headline, _workers_table(status), _tenants_table(status))
+    tables = [_workers_table(status)]
+    if status.get("engines"):
+        tables.append(_engines_table(status))
+    return Group(headline, *tables, _tenants_table(status))
 
 
 def run_top(
@@ -182,6 +200,27 @@ def _workers_table(status: Mapping[str, Any]) -> Table:
     for worker_id in sorted(set(workers) - placed):
         error = str(workers[worker_id].get("error", ""))
         table.add_row("?", worker_id, f"not alive: {error[:80]}")
+    return table
+
+
+def _engines_table(status: Mapping[str, Any]) -> Table:
+    table = Table(
+        title="engines (joined through Ray, as the index saw them)",
+        box=box.SIMPLE,
+        title_justify="left",
+    )
+    table.add_column("engine", no_wrap=True)
+    for name in ("live", "queries", "tokens", "hit rate", "pages held"):
+        table.add_column(name, justify="right")
+    for worker_id, e in status["engines"].items():
+        table.add_row(
+            worker_id,
+            "yes" if e["live"] else "no",
+            str(e["queries"]),
+            str(e["queried_tokens"]),
+            _percent(e["hit_rate"]),
+            str(e["pages"]),
+        )
     return table
 
 

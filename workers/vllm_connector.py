@@ -115,6 +115,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self.engine: EngineCache | None = None
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._unfilled: dict[str, int] = {}  # req -> its first block left unloaded, this step
         if role == KVConnectorRole.SCHEDULER:
             self.index = EngineIndex(self.enrollment, self.block_size)
         self._pending: dict[str, tuple[int, tuple, tuple, int]] = {}  # req -> its hit
@@ -148,10 +149,13 @@ class KvmeshConnector(KVConnectorBase_V1):
         if self.engine is None:
             return
         loaded: dict[str, int] = {}
+        self._unfilled = {}
         for spec in meta.loads:
             failed = self.engine.load(spec, self._layers)
             self._load_errors |= failed
             loaded[spec.request_id] = (spec.end - len(failed)) - spec.first
+            if failed:
+                self._unfilled[spec.request_id] = spec.end - len(failed)
         for request_id, salt, local, external, prompt in meta.admitted:
             remote = min(external, max(0, loaded.get(request_id, 0) * self.block_size))
             self.engine.figures.admitted(salt, local, remote, prompt - local - remote)
@@ -168,7 +172,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         if self.engine is None:
             return
         for spec in meta.saves:
-            self.engine.save(spec, self._layers)
+            # Blocks whose load failed hold what they held before this step (vLLM took
+            # them as loaded and recomputes them later): they are never kept.
+            cut = self._unfilled.get(spec.request_id, len(spec.block_ids))
+            if cut < len(spec.block_ids):
+                spec = spec._replace(
+                    tokens=spec.tokens[: cut * self.block_size], block_ids=spec.block_ids[:cut]
+                )
+            if spec.block_ids:
+                self.engine.save(spec, self._layers)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

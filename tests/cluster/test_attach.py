@@ -44,6 +44,7 @@ STATS_KEYS = {
     "auth",
     "dashboard_url",
     "metrics_url",
+    "engines",
     "hit_rate",
     "index_hit_rate",
     "prompt_tokens",
@@ -237,6 +238,7 @@ def test_stats_of_the_owner(owner):
     stats = owner.stats()
 
     assert set(stats) == STATS_KEYS
+    assert stats["engines"] == {}  # no vLLM engine joined this mesh
     assert stats["ray_address"] == ray.get_runtime_context().gcs_address
     assert isinstance(stats["epoch"], int) and not isinstance(stats["epoch"], bool)
     assert stats["epoch"] == ray.get(get_service().endpoint.remote())["epoch"]

@@ -19,6 +19,7 @@ from cache_service.actor import get_service
 from cache_service.auth import KeyPair
 from cache_service.events import PagesStored
 from cluster.config import config_from_dict
+from cluster.status import render_status
 from workers.client import ServiceClient, ServiceEndpoint
 from workers.engine import engine_namespace
 from workers.page_store import StoreLayout
@@ -121,9 +122,14 @@ def test_engine_b_gets_a_hit_from_a_with_the_same_greedy_tokens(mesh, engines, p
     assert count_mismatches(hit["token_ids"], reference["token_ids"]) == 0
     assert len(hit["token_ids"]) == 12
 
-    stats = mesh.stats()["service"]
-    assert stats["workers"]["vllm-b"]["hit_tokens"] >= 512  # counted in the mesh's figures
-    assert stats["workers"]["vllm-a"]["live"] and stats["workers"]["vllm-b"]["live"]
+    status = mesh.stats()  # what `kvmesh status` shows
+    engines = status["engines"]
+    assert sorted(engines) == ["vllm-a", "vllm-b"]  # the launcher's w0 is a worker, not one
+    assert engines["vllm-a"]["live"] and engines["vllm-b"]["live"]
+    assert engines["vllm-a"]["pages"] >= 512 // 16
+    assert engines["vllm-b"]["hit_tokens"] >= 512  # the index counted B's hit
+    text = render_status(status)
+    assert "engines (joined through Ray" in text and "vllm-b" in text
 
 
 def test_another_cache_salt_gets_no_hit(mesh, engines, prompts):
@@ -168,3 +174,11 @@ def test_a_forged_entry_is_refused_and_recomputed(mesh, engines, prompts):
     # vLLM counted the offered blocks as cached when it scheduled them; the copies were
     # refused, vLLM recomputed them, and the mesh counts them as computed, never as hits.
     assert wait_served(mesh, "vllm-b", before, len(victim)) == computed
+    # What B kept of that request is what it recomputed, not the blocks that failed to
+    # load: A, asking for the same prefix, gets correct KV from wherever it copies.
+    again = victim[:-1] + [13]
+    reference = a.generate(again, 10, "reference-5")
+    assert (
+        count_mismatches(a.generate(again, 10, "tenant-4")["token_ids"], reference["token_ids"])
+        == 0
+    )
