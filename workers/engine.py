@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -42,7 +42,13 @@ import torch
 from cache_service.auth import KeyPair, tenant_salt
 from cache_service.events import Namespace
 from cache_service.messages import HolderSpan
-from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
+from workers.client import (
+    ServiceClient,
+    ServiceEndpoint,
+    ServiceError,
+    ServiceUnavailable,
+    ray_resolver,
+)
 from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.costs import measure_links
 from workers.digests import page_digests
@@ -63,7 +69,9 @@ class Enrollment(NamedTuple):
     worker_id: str
     keypair: KeyPair | None  # None: the mesh runs without authentication
     secret: bytes
-    endpoint: ServiceEndpoint
+    # Where the service listens: an address, or (joined through Ray) a resolver that asks
+    # the service actor, so a restarted service is found at its new port.
+    endpoint: ServiceEndpoint | Callable[[], ServiceEndpoint]
     node_id: str
     page_tokens: int  # the index's tokens per page
 
@@ -153,12 +161,11 @@ def join_mesh(worker_id: str, ray_address: str = "auto") -> Enrollment:
         data = ray.get(service.enroll.remote(worker_id), timeout=30)
     except ray.exceptions.RayTaskError as exc:
         raise RuntimeError(f"the mesh refused engine {worker_id!r}: {exc.cause}") from None
-    endpoint = data["endpoint"]
     return Enrollment(
         worker_id,
         None if data["keypair"] is None else KeyPair(*data["keypair"]),
         data["secret"],
-        ServiceEndpoint(endpoint["address"], endpoint["server_key"]),
+        ray_resolver(),
         ray.get_runtime_context().get_node_id(),
         data["page_tokens"],
     )
