@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -340,6 +341,7 @@ class EngineCache:
         page that failed fails, and so does every block after it, since KV past a gap is
         never used."""
         p, k = self.store.layout.page_tokens, self.pages_per_block
+        start = time.perf_counter()
         with self._lock:
             allocation = self._acquire(spec)
             if allocation is None:
@@ -353,6 +355,15 @@ class EngineCache:
             finally:
                 allocation.release()
             self.loaded_blocks += max(0, end - spec.first)
+        seconds = time.perf_counter() - start
+        self.figures.copy_took(seconds)
+        log.info(
+            "engine %s loaded %d of %d blocks in %.1f ms",
+            self.worker_id,
+            max(0, end - spec.first),
+            spec.end - spec.first,
+            1000 * seconds,
+        )
         self.publisher.nudge()
         return set(spec.block_ids[max(end, spec.first) :])
 
