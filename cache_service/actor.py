@@ -86,8 +86,10 @@ class ServiceActor:
         connector) that joined through Ray. Returns its key pair (the same one each time
         it asks: its scheduler and worker processes both enroll) and what it needs to
         talk to the service: the endpoint and the mesh secret (tenant salts, signed page
-        reads), and the index's tokens per page. Only through Ray: whoever reaches this
-        actor is inside the cluster.
+        reads), the index's tokens per page, and how the mesh's page servers listen
+        (`pages`: the launcher's `workers.host` and `security.encrypt_pages`; None when
+        the service was started alone). Only through Ray: whoever reaches this actor is
+        inside the cluster.
 
         Raises:
             ValueError: `worker_id` is not a plain name, is one of the launcher's workers,
@@ -114,7 +116,14 @@ class ServiceActor:
             "secret": self.keys.secret,
             "endpoint": self.endpoint(),
             "page_tokens": self.config.page_tokens,  # the index's: every worker's pages
+            "pages": self._page_settings(),
         }
+
+    def _page_settings(self) -> dict[str, Any] | None:
+        config = self.mesh.get("config")
+        if not config:
+            return None
+        return {"host": config["workers"]["host"], "encrypt": config["security"]["encrypt_pages"]}
 
     def describe(self) -> dict[str, Any]:
         """The mesh around this service, as its launcher described it (empty when the
@@ -152,6 +161,12 @@ def _enrolled() -> dict[str, KeyPair]:
     if raw is None:
         return {}
     return {worker_id: KeyPair(*pair) for worker_id, pair in msgpack.unpackb(raw).items()}
+
+
+def enrolled_publics() -> frozenset[bytes]:
+    """The public keys of the engines enrolled in the mesh of this Ray cluster: who may
+    read an engine's pages (engines of one model share them across the mesh)."""
+    return frozenset(pair.public for pair in _enrolled().values())
 
 
 def _keep_enrolled(enrolled: dict[str, KeyPair]) -> None:

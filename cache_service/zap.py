@@ -13,11 +13,15 @@ how the service tells identities apart.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection, Iterable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _handlers: dict[int, tuple[ThreadAuthenticator, set[str]]] = {}  # id(context) -> ...
@@ -26,17 +30,70 @@ _names = itertools.count()
 
 
 class _Admit:
-    """A credentials provider: admits the listed z85 public keys."""
+    """A credentials provider: admits the listed z85 public keys, and those `lookup`
+    admits."""
 
-    def __init__(self, keys: Collection[bytes]):
+    def __init__(self, keys: Collection[bytes], lookup: Callable[[bytes], bool] | None = None):
         self.keys = set(keys)  # grows when an engine enrolls (`admit`), never shrinks
+        self.lookup = lookup
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        if key in self.keys:
+            return True
+        return self.lookup is not None and self.lookup(key)
 
 
-def open_domain(keys: Collection[bytes], context: zmq.Context) -> str:
-    """A new ZAP domain of `context` that admits `keys` (z85 public keys).
+class LateKeys:
+    """Admits keys that joined after a server started, which the server cannot be told of
+    (a vLLM engine's page server, outside any Ray actor, learns of the engines enrolled
+    after it): `fetch()` lists the keys admitted now, and is asked again only when a key
+    it did not list knocks, at most once every `interval_s`, so a stranger retrying its
+    handshake costs one `fetch` a interval, never one per attempt. Refused meanwhile, a
+    newcomer's client retries its handshake (ZMQ reconnects) and gets in after the next
+    fetch.
+
+    Args:
+        fetch: the keys to admit (z85 public keys); an exception is logged as a refusal.
+        interval_s: the least time between two fetches.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[], Iterable[bytes]],
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._fetch = fetch
+        self.interval_s = interval_s
+        self._clock = clock
+        self._keys: frozenset[bytes] = frozenset()
+        self._fetched_at = -float("inf")
+        self.fetches = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._keys:
+                return True
+            now = self._clock()
+            if now - self._fetched_at < self.interval_s:
+                return False
+            self._fetched_at = now
+            self.fetches += 1
+            try:
+                self._keys = frozenset(self._fetch())
+            except Exception:  # noqa: BLE001 - a lookup that fails admits nobody new
+                log.exception("could not list the keys that joined later")
+            return key in self._keys
+
+
+def open_domain(
+    keys: Collection[bytes],
+    context: zmq.Context,
+    lookup: Callable[[bytes], bool] | None = None,
+) -> str:
+    """A new ZAP domain of `context` that admits `keys` (z85 public keys), and any key
+    `lookup` admits (asked, on the handler's thread, only for keys not in `keys`).
 
     Set it as `socket.zap_domain` of a CURVE server socket before it binds; close it with
     `close_domain`.
@@ -49,7 +106,7 @@ def open_domain(keys: Collection[bytes], context: zmq.Context) -> str:
             handler.thread.name = "kvmesh-zap"
             _handlers[id(context)] = (handler, domains)
         domain = f"kvmesh-{next(_names)}"
-        handler.configure_curve_callback(domain=domain, credentials_provider=_Admit(keys))
+        handler.configure_curve_callback(domain=domain, credentials_provider=_Admit(keys, lookup))
         domains.add(domain)
         _context_of[domain] = id(context)
     return domain

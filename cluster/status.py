@@ -10,8 +10,9 @@ reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
      "pages":           {"total", "free", "cached", "in_use"} over all workers,
      "nodes":           {node id: {"address", "workers": [worker ids]}},
      "workers":         {worker id: the worker's own figures + "alive", "pages", "hit_rate"},
-     "engines":         {worker id: "live", "queries", "queried_tokens", "hit_tokens",
-                         "hit_rate", "pages"} for engines that joined (vLLM),
+     "engines":         {worker id: "live", "node", "address", "queries",
+                         "queried_tokens", "hit_tokens", "hit_rate", "pages"} for engines
+                         that joined (vLLM); "node" is None once it is gone,
      "tenants":         {tenant name: the index's counters + "hit_rate"},
      "service":         the service's statistics as it reports them}
 
@@ -86,6 +87,8 @@ def summarize(
         worker_id: {
             **{key: tally.get(key, 0) for key in ENGINE_FIGURES},
             "live": bool(tally.get("live")),
+            "node": tally.get("node"),
+            "address": nodes.get(tally.get("node"), "?"),
             "hit_rate": _rate(tally.get("hit_tokens", 0), tally.get("queried_tokens", 0)),
         }
         for worker_id, tally in sorted(service.get("workers", {}).items())
@@ -210,11 +213,14 @@ def _engines_table(status: Mapping[str, Any]) -> Table:
         title_justify="left",
     )
     table.add_column("engine", no_wrap=True)
+    table.add_column("node", no_wrap=True)
     for name in ("live", "queries", "tokens", "hit rate", "pages held"):
         table.add_column(name, justify="right")
     for worker_id, e in status["engines"].items():
+        node = e.get("node")
         table.add_row(
             worker_id,
+            "-" if node is None else f"{e.get('address', '?')} ({node[:8]})",
             "yes" if e["live"] else "no",
             str(e["queries"]),
             str(e["queried_tokens"]),

@@ -22,17 +22,22 @@ its worker id and the mesh secret. It then registers like any worker (its store'
 shared-memory name, its node), heartbeats and publishes through an `EventPublisher`, so
 it shows in `kvmesh status`, the dashboard and the metrics.
 
-Peers: an engine copies from holders on its own node, through their shared memory (the
-same validated copy as a worker: generation before and after, and the digest the holder
-recorded at publish must be the one this prompt's tokens give). Holders on other nodes
-are left out of its matches: their page servers admit the keys the launcher made, and an
-enrolled engine's is not among them.
+Peers: an engine copies from holders of the same model and KV format wherever they run:
+on its own node through their shared memory, on other nodes through their page servers
+(the same validated copy as a worker's either way: generation before and after, and the
+digest the holder recorded at publish must be the one this prompt's tokens give). Each
+engine runs a page server of its own, on the address and with the encryption the mesh's
+configuration gives its workers (`workers.host`, `security.encrypt_pages`), and
+registers it; it admits the keys of the mesh's enrolled engines (who else could hold a
+page of an engine's namespace), including those that enroll after it started
+(`cache_service.zap.LateKeys` over the enrolled keys Ray keeps).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +48,7 @@ import torch
 from cache_service.auth import KeyPair, tenant_salt
 from cache_service.events import Namespace
 from cache_service.messages import HolderSpan
+from cache_service.zap import LateKeys
 from workers.client import (
     ServiceClient,
     ServiceEndpoint,
@@ -57,6 +63,7 @@ from workers.figures import WorkerFigures
 from workers.page_store import SharedPageStore, StoreLayout, reclaim_dead_segments, worker_tag
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
+from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,17 @@ class Enrollment(NamedTuple):
     endpoint: ServiceEndpoint | Callable[[], ServiceEndpoint]
     node_id: str
     page_tokens: int  # the index's tokens per page
+    page_host: str = "127.0.0.1"  # where its page server listens (an address, resolved)
+    encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT  # page bytes under CurveZMQ, or signed
+    # Who else may read its pages beyond none: the engines enrolled now or later (None:
+    # nobody, or anyone when the mesh runs without authentication).
+    late_readers: Callable[[bytes], bool] | None = None
+
+    def transfer_auth(self) -> TransferAuth | None:
+        """Its credentials for page servers, and its own page server's (None: no auth)."""
+        if self.keypair is None:
+            return None
+        return TransferAuth(self.keypair, frozenset(), self.secret, self.encrypt_pages)
 
 
 class LoadSpec(NamedTuple):
@@ -135,15 +153,23 @@ def engine_namespace(
     return Namespace(f"{model}|{kv_format}", adapter, tenant_salt(secret, tenant))
 
 
-def join_mesh(worker_id: str, ray_address: str = "auto") -> Enrollment:
+def join_mesh(
+    worker_id: str, ray_address: str = "auto", node_ip_address: str | None = None
+) -> Enrollment:
     """Join the mesh of the Ray cluster at `ray_address` as worker `worker_id`.
 
+    Args:
+        node_ip_address: the address of this machine's Ray node, where several Ray nodes
+            share the machine (Ray otherwise attaches a driver to the head node among
+            them); None lets Ray pick this machine's node.
+
     Raises:
-        RuntimeError: no mesh runs in that cluster, or the service refused the id.
+        RuntimeError: no mesh runs in that cluster, the service refused the id, or the
+            Ray node joined is not on this machine (its shared memory is not ours).
     """
     import ray
 
-    from cache_service.actor import RAY_NAMESPACE, get_service
+    from cache_service.actor import RAY_NAMESPACE, enrolled_publics, get_service, resolve_host
 
     if not ray.is_initialized():
         ray.init(
@@ -151,7 +177,9 @@ def join_mesh(worker_id: str, ray_address: str = "auto") -> Enrollment:
             namespace=RAY_NAMESPACE,
             log_to_driver=False,
             logging_level=logging.WARNING,
+            _node_ip_address=node_ip_address,
         )
+    _check_local_node(ray.util.get_node_ip_address())
     try:
         service = get_service()
     except ValueError:
@@ -162,14 +190,38 @@ def join_mesh(worker_id: str, ray_address: str = "auto") -> Enrollment:
         data = ray.get(service.enroll.remote(worker_id), timeout=30)
     except ray.exceptions.RayTaskError as exc:
         raise RuntimeError(f"the mesh refused engine {worker_id!r}: {exc.cause}") from None
+    pages = data.get("pages") or {}  # the launcher's page-server settings, if any
+    keypair = None if data["keypair"] is None else KeyPair(*data["keypair"])
     return Enrollment(
         worker_id,
-        None if data["keypair"] is None else KeyPair(*data["keypair"]),
+        keypair,
         data["secret"],
         ray_resolver(),
         ray.get_runtime_context().get_node_id(),
         data["page_tokens"],
+        resolve_host(pages.get("host", "loopback")),
+        bool(pages.get("encrypt", ENCRYPT_PAGES_DEFAULT)),
+        None if keypair is None else LateKeys(enrolled_publics),
     )
+
+
+def _check_local_node(address: str) -> None:
+    """An engine's node must be this machine: its peers on the node read its store's
+    shared memory, and it binds its page server to the node's address.
+
+    Raises:
+        RuntimeError: `address` is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            raise RuntimeError(
+                f"the Ray node this engine joined ({address}) is not on this machine: set "
+                f"node_ip_address in kv_connector_extra_config to this machine's Ray node "
+                f"address"
+            ) from None
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -275,6 +327,19 @@ class EngineCache:
         self.store = SharedPageStore.create(layout, tag=worker_tag(self.worker_id))
         self.cache = PrefixCache(self.store, PrefixCacheConfig(page_tokens=layout.page_tokens))
         self.figures = WorkerFigures()
+        auth = enrollment.transfer_auth()
+        try:
+            # For engines on other nodes; same-node ones read the store's shared memory.
+            self.page_server = PageServer(
+                self.store,
+                host=enrollment.page_host,
+                auth=auth,
+                late_readers=enrollment.late_readers,
+            )
+        except BaseException:
+            self.store.unlink()
+            self.store.close()
+            raise
         keys = enrollment.keypair
         self.client = ServiceClient(
             enrollment.endpoint,
@@ -295,13 +360,15 @@ class EngineCache:
             self.cache,
             self.worker_id,
             enrollment.node_id,
+            address=self.page_server.address,
             shm_name=self.store.name,
+            page_key=None if keys is None else keys.public,
             report=lambda: self.figures.report(self.cache.stats()),
             on_new_service=self.client.reconnect,
         )
-        self.sources = Sources(enrollment.node_id, None)
+        self.sources = Sources(enrollment.node_id, auth)
         self.copier = CopyExecutor()
-        self.links = measure_links(layout.page_bytes, encrypted=False)
+        self.links = measure_links(layout.page_bytes, encrypted=auth is not None and auth.encrypt)
         self._lock = threading.Lock()
         self.pages_per_block = block_size // layout.page_tokens
         self.loaded_blocks = 0
@@ -382,7 +449,8 @@ class EngineCache:
         if have >= end:
             return end
         peers = {peer.worker_id: peer for peer in spec.peers if peer.worker_id != self.worker_id}
-        links = {w: self.links.link(w, False) for w in peers}
+        remote = {w: peer.node_id != self.enrollment.node_id for w, peer in peers.items()}
+        links = {w: self.links.link(w, remote[w]) for w in peers}
         spans = [s for s in spec.spans if s.worker_id in peers]
         tasks = plan_copy(spans, have, end, links, self.store.layout.page_bytes)
         if not tasks:
@@ -392,15 +460,20 @@ class EngineCache:
         expected = page_digests(spec.namespace, self.store.kv_format, tokens, p)
         sources = {t.holder: self.sources.get(peers[t.holder]) for t in tasks}
         outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
+        page_bytes = self.store.layout.page_bytes
         for result in outcome.results:
+            holder = result.task.holder
             self.refused_pages += result.valid.count(False)
-            self.figures.copied(len(result.valid) * self.store.layout.page_bytes, False)
+            self.figures.copied(len(result.valid) * page_bytes, remote[holder])
+            if remote[holder] and all(result.valid):
+                self.links.observe(holder, True, len(result.valid) * page_bytes, result.seconds)
         return outcome.end
 
     def _housekeeping(self) -> None:
         if self.publisher.up and self.client.circuit_open:
             self.client.reconnect()
         self.sources.detach_dead()
+        self.page_server.ensure_running()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -410,16 +483,21 @@ class EngineCache:
             "loaded_blocks": self.loaded_blocks,
             "refused_pages": self.refused_pages,
             "saved_pages": self.saved_pages,
+            "page_server": self.page_server.address,
+            "pages_served": self.page_server.pages_sent,
             "cache": self.cache.stats(),
         }
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
         self.store.check_integrity()
+        self.page_server.check_integrity()
 
     def close(self) -> None:
-        """Say BYE, stop publishing and remove the store (peers' copies then miss)."""
+        """Say BYE, stop publishing and serving, and remove the store (peers' copies then
+        miss)."""
         self.publisher.stop(bye=True)
+        self.page_server.stop()
         self.copier.close()
         self.sources.close()
         self.client.close()
@@ -429,7 +507,7 @@ class EngineCache:
 
 class EngineIndex:
     """The engine's scheduler side: how many whole blocks of a prompt the mesh holds
-    where this engine can copy them from.
+    where this engine can copy them from (its node's stores, other nodes' page servers).
 
     Args:
         enrollment: who the engine is.
@@ -474,7 +552,14 @@ class EngineIndex:
         return min(limit_blocks, blocks), tuple(usable), tuple(peers)
 
     def _reachable(self, peer: PeerInfo | None) -> bool:
-        return peer is not None and peer.node_id == self.enrollment.node_id and bool(peer.shm_name)
+        if peer is None:
+            return False
+        if peer.node_id == self.enrollment.node_id:
+            return bool(peer.shm_name)
+        # A page server, with the key to check it by when the mesh authenticates.
+        return bool(peer.page_address) and (
+            self.enrollment.keypair is None or peer.page_key is not None
+        )
 
     def _peer(self, worker_id: str) -> PeerInfo | None:
         # Entries found are kept (a restarted holder registers a new store name, and

@@ -146,7 +146,7 @@ class PageClient:
             if index != i:
                 raise TransferError(f"page {index} where page {i} was due")
             # Straight into our page: the only copy is the kernel's.
-            target = memoryview(dst.page(page).numpy()).cast("B")
+            target = dst.page_buffer(page)
             size = socket.recv_into(target, flags=zmq.NOBLOCK)
             if size not in (0, page_bytes) or socket.rcvmore:
                 raise TransferError(f"a page frame of {size} bytes, expected {page_bytes}")

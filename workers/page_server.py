@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,9 @@ class PageServer:
         port: 0 picks a free one.
         auth: who may read, and whether pages are encrypted; None admits anyone.
         request_timeout_s: a request not finished by then is dropped.
+        late_readers: with encryption, admits readers beyond `auth.peers` that joined the
+            mesh after this server started (`cache_service.zap.LateKeys`); asked, on the
+            ZAP handler's thread, only for keys not in `auth.peers`.
 
     Raises:
         ValueError: `host` means every interface, or `auth` is malformed.
@@ -96,6 +100,7 @@ class PageServer:
         port: int = 0,
         auth: TransferAuth | None = None,
         request_timeout_s: float = 5.0,
+        late_readers: Callable[[bytes], bool] | None = None,
     ):
         check_bind_host(host, "page server host")
         if auth is not None:
@@ -118,7 +123,7 @@ class PageServer:
         self._host = host
         try:
             if auth is not None and auth.encrypt:
-                self._zap_domain = zap.open_domain(auth.peers, self._context)
+                self._zap_domain = zap.open_domain(auth.peers, self._context, late_readers)
             self._socket = self._bind(port)
         except BaseException:
             self._close_context()
@@ -435,7 +440,7 @@ class PageServer:
             socket.send_multipart([serving.identity, prefix, b""], zmq.NOBLOCK)
             return
         # Zero-copy: ZMQ reads the bytes straight out of shared memory.
-        view = memoryview(self.store.page(int(serving.pages[i])).numpy()).cast("B")
+        view = self.store.page_buffer(int(serving.pages[i]))
         track = i == serving.last_tracked
         socket.send(serving.identity, zmq.SNDMORE | zmq.NOBLOCK)  # may raise Again: no part sent
         socket.send(prefix, zmq.SNDMORE)

@@ -589,6 +589,16 @@ class SharedPageStore:
         self._check_page(page)
         return self._live_pages()[page]
 
+    def page_buffer(self, page: int) -> memoryview:
+        """One page's bytes in shared memory, as a flat byte view (whatever the store's
+        dtype: numpy, which page transfers go through, has no bfloat16). Aliases shared
+        memory as `page` does.
+
+        Raises:
+            ValueError: `page` is out of range.
+        """
+        return memoryview(self.page(page).view(torch.uint8).numpy()).cast("B")
+
     def page_range(self, start: int, stop: int) -> torch.Tensor:
         """A view of pages [start, stop), `(stop - start, *page_shape)`, contiguous.
 

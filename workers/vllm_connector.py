@@ -11,7 +11,9 @@ Load it with vLLM's `--kv-transfer-config` (or `LLM(kv_transfer_config=...)`):
 Extra config: `engine_id` (its worker id in the mesh; default "vllm-<host>-<pid>"),
 `ray_address` (the Ray cluster of a running `kvmesh up`; default "auto"), `num_blocks`
 (blocks the engine's kvmesh store keeps; default 64), `model_name`
-(the name engines of one model share under; default vLLM's served model name).
+(the name engines of one model share under; default vLLM's served model name),
+`node_ip_address` (this machine's Ray node, where several Ray nodes share one machine;
+default: Ray's choice).
 
 vLLM makes one connector in its scheduler process and one in each worker process:
 
@@ -107,7 +109,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         self.num_blocks = int(extra.get("num_blocks", DEFAULT_NUM_BLOCKS))
         model = vllm_config.model_config
         self.model_name = str(extra.get("model_name") or model.served_model_name or model.model)
-        self.enrollment = join_mesh(self.engine_id, str(extra.get("ray_address", "auto")))
+        self.enrollment = join_mesh(
+            self.engine_id,
+            str(extra.get("ray_address", "auto")),
+            extra.get("node_ip_address"),
+        )
         # The KV format: known to the worker from its caches; the scheduler derives the
         # same string from the model config (checked against the worker's at first save).
         self.kv_format = _kv_format(vllm_config, self.enrollment.page_tokens)

@@ -33,6 +33,7 @@ def kv_transfer_config(args: argparse.Namespace) -> dict | None:
                 "ray_address": args.ray_address,
                 "num_blocks": args.num_blocks,
                 "model_name": args.model_name,
+                "node_ip_address": args.node_ip_address,
             },
         }
     if args.example_connector:
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default="smollm2-135m")
     parser.add_argument("--kvmesh", metavar="ENGINE_ID", help="join the mesh as this engine")
     parser.add_argument("--ray-address", default="auto")
+    parser.add_argument("--node-ip-address", help="this machine's Ray node (default: Ray's pick)")
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--example-connector", metavar="DIR", help="vLLM's ExampleConnector")
     parser.add_argument("--max-model-len", type=int, default=4096)

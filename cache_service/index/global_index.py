@@ -487,7 +487,7 @@ class GlobalIndex:
         Returns:
             {"page_tokens", "pages", "holdings", "workers_live", "tiers": names in use,
              "cluster": counters, "tenants": {name: counters},
-             "workers": {worker id: counters + "pages" held + "live"},
+             "workers": {worker id: counters + "pages" held + "live" (+ "node" if live)},
              "events": {"batches", "duplicates", "resyncs_requested", "resyncs"},
              "removed_workers": {reason: count}}
             where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
@@ -495,13 +495,16 @@ class GlobalIndex:
         """
         self._own()
         live = self._registry.workers
+        tallies = self._tallies.report({worker_id: w.pages.size for worker_id, w in live.items()})
+        for worker_id, worker in live.items():
+            tallies["workers"][worker_id]["node"] = worker.node_id
         return {
             "page_tokens": self.page_tokens,
             "pages": self._nodes.num_pages,
             "holdings": self._registry.holdings(),
             "workers_live": len(live),
             "tiers": self._registry.tiers_in_use(),
-            **self._tallies.report({worker_id: w.pages.size for worker_id, w in live.items()}),
+            **tallies,
             "events": dict(self._events),
             "removed_workers": dict(self._registry.removed),
         }

@@ -630,6 +630,7 @@ def test_local_and_remote_hits_are_counted_per_requester():
         "alignment_lost_tokens": 2,
         "pages": 1,
         "live": True,
+        "node": "node0",
     }
     assert stats["workers"]["a"]["local_hit_tokens"] == 8
     assert stats["workers"]["a"]["remote_hit_tokens"] == 0
@@ -670,7 +671,7 @@ def test_stats_are_plain_data():
             return all(isinstance(k, str) and plain(v) for k, v in value.items())
         if isinstance(value, list):
             return all(isinstance(item, str) for item in value)
-        return type(value) in (int, bool)
+        return type(value) in (int, bool, str)
 
     stats = index.stats()
     assert plain(stats)

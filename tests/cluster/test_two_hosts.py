@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -358,6 +359,25 @@ mesh.shutdown()
 """
 
 
+def up_tiny(hosts: TwoHosts, name: str, num_pages: int, **service: Any) -> dict:
+    """`kvmesh up` across both hosts with multinode.yaml on the tiny model (copies always:
+    it computes faster than a copy), `store.num_pages` and `service` settings changed;
+    returns the configuration."""
+    config = hosts.logs / f"{name}.yaml"
+    cfg = yaml.safe_load(MULTINODE.read_text())
+    cfg["model"] = {"name": "tiny"}
+    cfg["workers"]["copy_policy"] = "always"
+    cfg["store"]["num_pages"] = num_pages
+    cfg["service"].update(service)
+    config.write_text(yaml.safe_dump(cfg))
+    up = hosts.a.run(
+        str(BIN / "kvmesh"), "up", "--config", str(config), "--address", hosts.ray_address,
+        "--min-nodes", "2", env=hosts.env,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr[-3000:]
+    return cfg
+
+
 class Driver:
     """A Python process in a host, spoken to one line at a time."""
 
@@ -392,18 +412,7 @@ def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, 
     cut-off worker's holdings and routes around it; once the link is up, the worker registers
     again, resyncs, and its pages are copied (checked) as before."""
     kvmesh = str(BIN / "kvmesh")
-    config = hosts.logs / "cut.yaml"
-    cfg = yaml.safe_load(MULTINODE.read_text())
-    cfg["model"] = {"name": "tiny"}
-    cfg["workers"]["copy_policy"] = "always"  # the tiny model computes faster than a copy
-    cfg["store"]["num_pages"] = 128
-    cfg["service"]["liveness_timeout_s"] = LIVENESS_S
-    config.write_text(yaml.safe_dump(cfg))
-    up = hosts.a.run(
-        kvmesh, "up", "--config", str(config), "--address", hosts.ray_address,
-        "--min-nodes", "2", env=hosts.env,
-    )  # fmt: skip
-    assert up.returncode == 0, up.stderr[-3000:]
+    cfg = up_tiny(hosts, "cut", num_pages=128, liveness_timeout_s=LIVENESS_S)
     script = hosts.logs / "cut_driver.py"
     script.write_text(CUT_DRIVER)
     driver = Driver(hosts.a, script, hosts.ray_address, hosts.a.address, hosts.b.address,
@@ -441,6 +450,100 @@ def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, 
         assert driver.ask("quit") == {"ok": True}
     finally:
         driver.close()
+    down = hosts.a.run(kvmesh, "down", env=hosts.env)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not kvmesh_segments()
+
+
+# Inside host A: the figures the service and its metrics give for the engines.
+ENGINE_FIGURES = """\
+import json, sys, urllib.request
+import cluster
+from prometheus_client.parser import text_string_to_metric_families
+mesh = cluster.connect(address=sys.argv[1])
+status = mesh.stats()
+with urllib.request.urlopen(status["metrics_url"], timeout=10) as reply:
+    text = reply.read().decode()
+samples = {}
+for family in text_string_to_metric_families(text):
+    for s in family.samples:
+        if s.labels.get("worker", "").startswith("vllm-") and s.name in (
+            "kvmesh_prompt_tokens_total", "kvmesh_copy_bytes_total"
+        ):
+            key = f"{s.name}:{s.labels['worker']}:{s.labels.get('source') or s.labels.get('kind')}"
+            samples[key] = samples.get(key, 0) + s.value
+print(json.dumps({"engines": status["engines"], "samples": samples}))
+mesh.shutdown()
+"""
+
+
+def engine_figures(hosts: TwoHosts, pages: int, timeout_s: float = 60) -> dict:
+    """The engines' figures once vllm-a holds `pages` pages in the index."""
+    script = hosts.logs / "engine_figures.py"
+    script.write_text(ENGINE_FIGURES)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = hosts.a.run(str(sys.executable), str(script), hosts.ray_address, env=hosts.env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        figures = json.loads(run.stdout.strip().splitlines()[-1])
+        if figures["engines"].get("vllm-a", {}).get("pages", 0) >= pages:
+            return figures
+        assert time.monotonic() < deadline, f"vllm-a never held {pages} pages: {figures}"
+        time.sleep(1)
+
+
+def test_vllm_engines_on_two_hosts_share_a_prefix_through_page_servers(hosts, mesh_down):
+    """vLLM engine A on host A computes a prompt; engine B on host B, given another prompt
+    with the same first 512 tokens, loads them from A's page server (CurveZMQ, keys from
+    the mesh) instead of computing them, and produces the greedy tokens it computes alone."""
+    from benchmarks.vllm import (
+        count_mismatches,
+        kvmesh_engine,
+        model_dir,
+        shared_prompts,
+        start_engines,
+    )
+
+    kvmesh = str(BIN / "kvmesh")
+    up_tiny(hosts, "engines", num_pages=64)  # the mesh's own workers idle: the engines share
+    folder = model_dir()
+    prefix, suffixes = shared_prompts(2)
+    prompts = [prefix[:512] + suffix for suffix in suffixes]  # four blocks shared, then 64
+    engines = start_engines(
+        {
+            # Both Ray nodes run on this one machine: each engine names its own.
+            "a": kvmesh_engine(folder, hosts.ray_address, "vllm-a", hosts.a.address),
+            "b": kvmesh_engine(folder, hosts.ray_address, "vllm-b", hosts.b.address),
+        },
+        hosts.logs,
+        wrappers={"a": hosts.a.command(), "b": hosts.b.command()},
+        env=hosts.env,
+    )
+    a, b = engines["a"], engines["b"]
+    try:
+        assert a.generate(prompts[0], 8, "acme")["num_cached_tokens"] == 0
+        before = engine_figures(hosts, 512 // 16)
+        hit = b.generate(prompts[1], 12, "acme")
+        assert hit["num_cached_tokens"] == 512  # four blocks from A, across the veth pair
+        reference = b.generate(prompts[1], 12, "nobody")  # a salt nobody used: all computed
+        assert reference["num_cached_tokens"] == 0
+        assert count_mismatches(hit["token_ids"], reference["token_ids"]) == 0
+        time.sleep(1.5)  # B's next heartbeats carry its figures
+        after = engine_figures(hosts, 512 // 16)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    print(f"\nengines on two hosts: {json.dumps(after)}")
+    found = after["engines"]
+    assert found["vllm-a"]["address"] == hosts.a.address
+    assert found["vllm-b"]["address"] == hosts.b.address
+    samples = after["samples"]
+    page_bytes = 30 * 2 * 3 * 16 * 64 * 2  # SmolLM2's KV in bfloat16, 16 tokens a page
+    assert samples.get("kvmesh_copy_bytes_total:vllm-b:remote") == 32 * page_bytes
+    assert samples.get("kvmesh_copy_bytes_total:vllm-b:same_node", 0) == 0
+    assert samples["kvmesh_prompt_tokens_total:vllm-b:remote_hit"] == 512
+    assert before["samples"].get("kvmesh_prompt_tokens_total:vllm-b:remote_hit", 0) == 0
+
     down = hosts.a.run(kvmesh, "down", env=hosts.env)
     assert down.returncode == 0, down.stderr[-3000:]
     assert not kvmesh_segments()

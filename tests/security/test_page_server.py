@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from cache_service.auth import KeyPair
+from cache_service.zap import LateKeys
 from workers.page_store import SharedPageStore, StoreLayout
 from workers.transfer import TRANSFER_VERSION, PageClient, PageServer, TransferAuth
 
@@ -87,6 +88,76 @@ def test_only_workers_of_the_mesh_get_pages(holder, requester, encrypt):
             assert not dst_store.page_range(dst[4], dst[8]).any()  # not one byte arrived
             outsider.close()
         assert server.health()["pages_sent"] == 4
+        server.check_integrity()
+    finally:
+        server.stop()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_late_keys_are_fetched_only_for_strangers_and_at_most_once_an_interval():
+    joined: list[bytes] = [b"a" * 40]
+    clock = Clock()
+    late = LateKeys(lambda: joined, interval_s=1.0, clock=clock)
+    assert late(b"a" * 40) and late.fetches == 1
+    assert late(b"a" * 40) and late.fetches == 1  # known: no fetch
+    joined.append(b"b" * 40)
+    assert not late(b"b" * 40)  # within the interval of the last fetch: refused, no fetch
+    assert not late(b"x" * 40) and late.fetches == 1
+    clock.now = 1.0
+    assert late(b"b" * 40) and late.fetches == 2  # it joined: the next fetch finds it
+    assert not late(b"x" * 40) and late.fetches == 2
+    clock.now = 2.5
+    joined.clear()  # a list that cannot be read admits nobody new, and keeps no one
+    assert not late(b"x" * 40) and late.fetches == 3 and not late(b"a" * 40)
+
+    def broken():
+        raise RuntimeError("the cluster's store is gone")
+
+    failing = LateKeys(broken, interval_s=1.0, clock=clock)
+    assert not failing(b"a" * 40) and failing.fetches == 1
+
+
+def test_a_reader_that_joins_after_the_server_started_gets_pages(holder, requester):
+    """An engine's page server admits engines enrolled after it started: the list is read
+    again when an unknown key knocks, and a stranger stays out."""
+    store, pages = holder
+    dst_store, dst = requester
+    server_pair, newcomer, stranger = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    enrolled: set[bytes] = set()
+    late = LateKeys(lambda: set(enrolled), interval_s=0.05)
+    server = PageServer(
+        store, auth=TransferAuth(server_pair, frozenset(), SECRET, True), late_readers=late
+    )
+    gens = store.generations(pages[:4])
+
+    def client(pair: KeyPair, timeout_s: float) -> PageClient:
+        auth = TransferAuth(pair, frozenset(), SECRET, True)
+        key = server_pair.public
+        return PageClient(server.address, timeout_s=timeout_s, auth=auth, server_key=key)
+
+    try:
+        enrolled.add(newcomer.public)  # it enrolled after the server started
+        reader = client(newcomer, 5.0)
+        assert reader.fetch(pages[:4], gens, dst_store, dst[:4]) == [True] * 4
+        assert torch.equal(dst_store.page(dst[3]), store.page(pages[3]))
+        reader.close()
+        assert late.fetches == 1
+        time.sleep(0.1)  # past the interval: the stranger's knock reads the list again
+        for _ in range(3):
+            outsider = client(stranger, 0.5)
+            dst_store.page_range(dst[4], dst[8]).zero_()
+            assert outsider.fetch(pages[:4], gens, dst_store, dst[4:8]) == [False] * 4
+            assert not dst_store.page_range(dst[4], dst[8]).any()  # not one byte arrived
+            outsider.close()
+        assert server.health()["pages_sent"] == 4
+        assert 2 <= late.fetches <= 4  # once for its first knock, then once an interval at most
         server.check_integrity()
     finally:
         server.stop()

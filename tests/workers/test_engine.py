@@ -4,12 +4,15 @@ through a real service and real shared memory, with vLLM's CPU cache layout."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
 from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace, PagesStored
 from cache_service.server import ServerConfig, make_server
+from cache_service.zap import LateKeys
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.engine import (
     EngineCache,
@@ -102,28 +105,43 @@ def test_namespaces_name_the_model_format_adapter_and_a_secret_salt():
 # ---- enrollment at the service ----------------------------------------------------------
 
 
+class Service(NamedTuple):
+    """A service and its mesh's keys, with the engines enrolled so far (what the service
+    actor keeps in Ray and engines' page servers read, `enrolled_publics`)."""
+
+    server: Any
+    keys: MeshKeys
+    enrolled: set[bytes]
+
+
 @pytest.fixture
 def mesh_service():
     """A service with authentication on, for a mesh of one launched worker w0."""
     keys = MeshKeys.generate(["w0"])
     server = make_server(ServerConfig(page_tokens=P), keys.server_keys())
     server.start()
-    yield server, keys
+    yield Service(server, keys, set())
     server.stop()
     server.index.check_integrity()
 
 
-def enroll(server, keys, worker_id: str, node_id: str = "node-1") -> Enrollment:
+def enroll(
+    service: Service, worker_id: str, node_id: str = "node-1", encrypt: bool = True
+) -> Enrollment:
     pair = KeyPair.generate()
-    server.admit_worker(worker_id, pair.public)
-    endpoint = ServiceEndpoint(server.address, keys.service.public)
-    return Enrollment(worker_id, pair, keys.secret, endpoint, node_id, P)
+    service.server.admit_worker(worker_id, pair.public)
+    service.enrolled.add(pair.public)
+    endpoint = ServiceEndpoint(service.server.address, service.keys.service.public)
+    readers = LateKeys(lambda: set(service.enrolled), interval_s=0.05)
+    return Enrollment(
+        worker_id, pair, service.keys.secret, endpoint, node_id, P, "127.0.0.1", encrypt, readers
+    )
 
 
 def test_an_enrolled_key_speaks_only_for_its_own_id(mesh_service):
-    server, keys = mesh_service
+    server = mesh_service.server
     stranger = KeyPair.generate()
-    engine = enroll(server, keys, "vllm-a")
+    engine = enroll(mesh_service, "vllm-a")
     with ServiceClient(engine.endpoint, timeout_s=2.0, client_keys=engine.keypair) as client:
         assert client.register("vllm-a", "node-1", "cpu", "").service_epoch == server.epoch
         with pytest.raises(ServiceError, match="forbidden"):
@@ -147,18 +165,17 @@ def test_an_enrolled_key_speaks_only_for_its_own_id(mesh_service):
 
 @pytest.fixture
 def engines(mesh_service):
-    server, keys = mesh_service
     made = []
 
-    def make(worker_id: str, node_id: str = "node-1") -> EngineCache:
-        enrollment = enroll(server, keys, worker_id, node_id)
+    def make(worker_id: str, node_id: str = "node-1", encrypt: bool = True) -> EngineCache:
+        enrollment = enroll(mesh_service, worker_id, node_id, encrypt)
         caches = kv_layers(vllm_caches(len(made)))
         engine = EngineCache(enrollment, engine_layout(caches, BLOCK, P, BLOCKS), BLOCK)
         engine.layers = caches  # what vLLM would have registered
         made.append(engine)
         return engine
 
-    make.service = (server, keys)
+    make.service = mesh_service
     yield make
     for engine in made:
         engine.check_integrity()
@@ -209,14 +226,41 @@ def test_an_engine_loads_what_another_saved_exactly(engines):
     assert {s.worker_id for s in load_spec(a, PROMPT, [0, 1, 2]).spans} == {"vllm-a", "vllm-b"}
 
 
-def test_another_salt_or_another_node_finds_nothing(engines):
+def test_another_salt_finds_nothing(engines):
     a, b = engines("vllm-a"), engines("vllm-b")
-    far = engines("vllm-far", node_id="node-2")
     save(a, PROMPT, [4, 9, 1], salt="alice")
     assert load_spec(b, PROMPT, [0, 1, 2], salt="bob").end == 0
     assert load_spec(b, PROMPT, [0, 1, 2]).end == 0  # no salt is a salt of its own
     assert load_spec(b, PROMPT, [0, 1, 2], salt="alice").end == 3
-    assert load_spec(far, PROMPT, [0, 1, 2], salt="alice").end == 0  # no shared memory there
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["curve", "signed"])
+def test_an_engine_on_another_node_loads_through_the_page_server(engines, encrypt):
+    a = engines("vllm-a", encrypt=encrypt)
+    save(a, PROMPT, [4, 9, 1], salt="alice")
+    far = engines("vllm-far", node_id="node-2", encrypt=encrypt)  # enrolled after A started
+    spec = load_spec(far, PROMPT, [2, 5, 8], salt="alice")
+    assert spec.end == 3 and [p.node_id for p in spec.peers] == ["node-1"]
+    assert far.load(spec, far.layers) == set()
+    for mine, theirs in zip(far.layers, a.layers, strict=True):
+        for asked, held in ((2, 4), (5, 9), (8, 1)):
+            assert torch.equal(mine[asked], theirs[held])
+    assert a.page_server.pages_sent == 3 * BLOCK // P  # no shared memory between nodes
+    page_bytes = far.store.layout.page_bytes
+    assert far.figures.copy_bytes == {"same_node": 0, "remote": 3 * BLOCK // P * page_bytes}
+    assert far.loaded_blocks == 3 and far.refused_pages == 0
+
+
+def test_a_page_freed_on_another_node_is_refused(engines):
+    a = engines("vllm-a")
+    save(a, PROMPT, [4, 9, 1])
+    far = engines("vllm-far", node_id="node-2")
+    spec = load_spec(far, PROMPT, [2, 5, 8])
+    a.cache.clear()  # A's pages are freed after the index named them (generations move on)
+    before = [layer.clone() for layer in far.layers]
+    assert far.load(spec, far.layers) == {2, 5, 8}  # vLLM recomputes them all
+    assert all(torch.equal(n, b) for n, b in zip(far.layers, before, strict=True))
+    assert far.refused_pages >= 1 and far.loaded_blocks == 0
 
 
 def test_pages_that_hold_other_tokens_are_refused(engines):
@@ -224,7 +268,7 @@ def test_pages_that_hold_other_tokens_are_refused(engines):
     other = [t + 1 for t in PROMPT]
     save(a, other, [4, 9, 1])
     # A forged entry: an engine x says it holds PROMPT in A's pages, which hold `other`.
-    x = enroll(*engines.service, "vllm-x")
+    x = enroll(engines.service, "vllm-x")
     with ServiceClient(x.endpoint, timeout_s=2.0, client_keys=x.keypair) as client:
         held = client.match(ns(a), other).spans[0]
         epoch = client.register("vllm-x", "node-1", "cpu", "", shm_name=a.store.name).epoch

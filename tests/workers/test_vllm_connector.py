@@ -14,7 +14,13 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 import cluster
-from benchmarks.vllm import count_mismatches, model_dir, shared_prompts, start_engines
+from benchmarks.vllm import (
+    count_mismatches,
+    kvmesh_engine,
+    model_dir,
+    shared_prompts,
+    start_engines,
+)
 from cache_service.actor import get_service
 from cache_service.auth import KeyPair
 from cache_service.events import PagesStored
@@ -42,16 +48,25 @@ def mesh(ray_local):
 
 
 @pytest.fixture(scope="module")
-def engines(mesh, tmp_path_factory):
-    started = start_engines(
-        ray.get_runtime_context().gcs_address,
-        model_dir(),
+def started(mesh, tmp_path_factory):
+    """Engines A and B with kvmesh's connector, and N without a connector."""
+    gcs, folder = ray.get_runtime_context().gcs_address, model_dir()
+    engines = start_engines(
+        {
+            "a": kvmesh_engine(folder, gcs, "vllm-a"),
+            "b": kvmesh_engine(folder, gcs, "vllm-b"),
+            "n": ["--model", str(folder)],
+        },
         tmp_path_factory.mktemp("vllm-logs"),
-        example_dir=None,
     )
-    yield started["a"], started["b"]
-    for engine in started.values():
+    yield engines
+    for engine in engines.values():
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(started):
+    return started["a"], started["b"]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +118,8 @@ def wait_served(mesh, worker_id: str, before: dict[str, float], tokens: int) -> 
     return {source: now[source] - before[source] for source in now}
 
 
-def test_engine_b_gets_a_hit_from_a_with_the_same_greedy_tokens(mesh, engines, prompts):
-    a, b = engines
+def test_engine_b_gets_a_hit_from_a_with_the_same_greedy_tokens(mesh, started, prompts):
+    a, b, plain = started["a"], started["b"], started["n"]
     first = a.generate(prompts[0], 8, "tenant-1")
     assert first["num_cached_tokens"] == 0
     wait_published(mesh, "vllm-a", 512 // 16)
@@ -117,10 +132,12 @@ def test_engine_b_gets_a_hit_from_a_with_the_same_greedy_tokens(mesh, engines, p
         "remote_hit": 512,
         "computed": len(prompts[1]) - 512,
     }
-    reference = b.generate(prompts[1], 12, "reference")  # a salt nobody used: all computed
+    reference = plain.generate(prompts[1], 12, "tenant-1")  # vLLM without the connector
     assert reference["num_cached_tokens"] == 0
     assert count_mismatches(hit["token_ids"], reference["token_ids"]) == 0
     assert len(hit["token_ids"]) == 12
+    miss = b.generate(prompts[1], 12, "reference")  # a salt nobody used: all computed
+    assert miss["num_cached_tokens"] == 0 and miss["token_ids"] == reference["token_ids"]
 
     status = mesh.stats()  # what `kvmesh status` shows
     engines = status["engines"]
