@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # the salt of requests without a cache_salt
 SERVICE_BACKOFF_S = 5.0
+# How long the scheduler side uses a holder's registry entry: one GetPeer (~0.3 ms) per
+# holder this often, against a restarted holder's pages missed for that long.
+PEER_TTL_S = 5.0
 
 
 class Enrollment(NamedTuple):
@@ -84,8 +87,8 @@ class Enrollment(NamedTuple):
     page_tokens: int  # the index's tokens per page
     page_host: str = "127.0.0.1"  # where its page server listens (an address, resolved)
     encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT  # page bytes under CurveZMQ, or signed
-    # Who else may read its pages beyond none: the engines enrolled now or later (None:
-    # nobody, or anyone when the mesh runs without authentication).
+    # Who may read its pages through its page server: the engines enrolled now or later
+    # (None: nobody; anyone who reaches it when the mesh runs without authentication).
     late_readers: Callable[[bytes], bool] | None = None
 
     def transfer_auth(self) -> TransferAuth | None:
@@ -512,11 +515,14 @@ class EngineIndex:
     Args:
         enrollment: who the engine is.
         block_size: vLLM's tokens per block.
+        peer_ttl_s: how long a holder's registry entry is used before it is asked for
+            again (a restarted holder has a new store and page server).
     """
 
-    def __init__(self, enrollment: Enrollment, block_size: int):
+    def __init__(self, enrollment: Enrollment, block_size: int, peer_ttl_s: float = PEER_TTL_S):
         self.enrollment = enrollment
         self.block_size = block_size
+        self.peer_ttl_s = peer_ttl_s
         self.client = ServiceClient(
             enrollment.endpoint,
             timeout_s=1.0,
@@ -524,7 +530,7 @@ class EngineIndex:
             client_keys=enrollment.keypair,
             backoff_s=SERVICE_BACKOFF_S,
         )
-        self._peers: dict[str, PeerInfo | None] = {}
+        self._peers: dict[str, tuple[float, PeerInfo]] = {}  # worker id -> (when, entry)
 
     def lookup(
         self, namespace: Namespace, tokens: Sequence[int], limit_blocks: int
@@ -562,12 +568,19 @@ class EngineIndex:
         )
 
     def _peer(self, worker_id: str) -> PeerInfo | None:
-        # Entries found are kept (a restarted holder registers a new store name, and
-        # copies from the old one then fail validation and are recomputed); a holder not
-        # found is asked again next time.
-        if self._peers.get(worker_id) is None:
-            self._peers[worker_id] = _peer(self.client, worker_id)
-        return self._peers[worker_id]
+        # An entry is kept for peer_ttl_s: a holder that restarted meanwhile has a new
+        # store and page server, and copies from the old ones are misses (recomputed)
+        # until its entry is asked for again. A holder not found is asked again next time.
+        now = time.monotonic()
+        held = self._peers.get(worker_id)
+        if held is not None and now - held[0] < self.peer_ttl_s:
+            return held[1]
+        entry = _peer(self.client, worker_id)
+        if entry is None:
+            self._peers.pop(worker_id, None)
+        else:
+            self._peers[worker_id] = (now, entry)
+        return entry
 
     def close(self) -> None:
         self.client.close()

@@ -175,7 +175,16 @@ def engines(mesh_service):
         made.append(engine)
         return engine
 
+    def restart(engine: EngineCache) -> EngineCache:
+        """The same engine (id, key) started again: a new store and page server."""
+        engine.close()
+        again = EngineCache(engine.enrollment, engine.store.layout, BLOCK)
+        again.layers = kv_layers(vllm_caches(len(made)))
+        made[made.index(engine)] = again
+        return again
+
     make.service = mesh_service
+    make.restart = restart
     yield make
     for engine in made:
         engine.check_integrity()
@@ -261,6 +270,26 @@ def test_a_page_freed_on_another_node_is_refused(engines):
     assert far.load(spec, far.layers) == {2, 5, 8}  # vLLM recomputes them all
     assert all(torch.equal(n, b) for n, b in zip(far.layers, before, strict=True))
     assert far.refused_pages >= 1 and far.loaded_blocks == 0
+
+
+def test_a_restarted_holder_is_found_at_its_new_store_and_page_server(engines):
+    a, b = engines("vllm-a"), engines("vllm-b")
+    save(a, PROMPT, [4, 9, 1])
+    index = EngineIndex(b.enrollment, BLOCK, peer_ttl_s=0.0)  # asks for entries every time
+    try:
+        (peer,) = index.lookup(ns(b), PROMPT, 3)[2]
+        assert (peer.shm_name, peer.page_address) == (a.store.name, a.page_server.address)
+        a = engines.restart(a)
+        assert index.lookup(ns(b), PROMPT, 3)[0] == 0  # it left: its pages left the index
+        save(a, PROMPT, [4, 9, 1])
+        found, spans, (peer,) = index.lookup(ns(b), PROMPT, 3)
+        assert (peer.shm_name, peer.page_address) == (a.store.name, a.page_server.address)
+    finally:
+        index.close()
+    spec = LoadSpec("r", ns(b), tuple(PROMPT[: 3 * BLOCK]), 0, (7, 0, 11), spans, (peer,))
+    assert found == 3 and b.load(spec, b.layers) == set()
+    for asked, held in ((7, 4), (0, 9), (11, 1)):
+        assert torch.equal(b.layers[0][asked], a.layers[0][held])
 
 
 def test_pages_that_hold_other_tokens_are_refused(engines):
