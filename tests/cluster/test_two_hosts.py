@@ -526,7 +526,7 @@ def test_vllm_engines_on_two_hosts_share_a_prefix_through_page_servers(hosts, me
         hit = b.generate(prompts[1], 12, "acme")
         assert hit["num_cached_tokens"] == 512  # four blocks from A, across the veth pair
         reference = b.generate(prompts[1], 12, "nobody")  # a salt nobody used: all computed
-        assert reference["num_cached_tokens"] == 0
+        assert reference["num_cached_tokens"] == 0 and len(set(reference["token_ids"])) > 4
         assert count_mismatches(hit["token_ids"], reference["token_ids"]) == 0
         time.sleep(1.5)  # B's next heartbeats carry its figures
         after = engine_figures(hosts, 512 // 16)

@@ -7,12 +7,14 @@ model once per module (the first load on a machine dequantises its GGUF, about 3
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import workers.model_runner as model_runner
 from tests.workers.model_fixtures import (
@@ -29,6 +31,7 @@ from workers.model_runner import (
     LayoutMismatchError,
     ModelRunner,
     ModelSpec,
+    default_cache_dir,
     eos_token_ids,
     load_model,
     load_smollm2,
@@ -520,6 +523,14 @@ def test_smollm2_loads_from_its_cache(smollm2):
     ids = torch.tensor([[1, 9690, 198, 2683, 359]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
+    # The folder is an HF checkpoint other engines load too (vLLM): the tied output layer
+    # is stored once, under the embedding's name, and the config names the architecture.
+    folder = default_cache_dir()
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
 
 
 def test_model_cache_is_built_once_atomically_and_rebuilt_when_stale(tmp_path, monkeypatch, tiny):
@@ -546,7 +557,7 @@ def test_model_cache_is_built_once_atomically_and_rebuilt_when_stale(tmp_path, m
         raise RuntimeError("killed mid-write")
 
     with monkeypatch.context() as patch:
-        patch.setattr(model_runner, "save_model", crash)
+        patch.setattr(model_runner, "_save_weights", crash)
         with pytest.raises(RuntimeError, match="killed mid-write"):
             load()
     assert list(cache_dir.parent.iterdir()) == []  # no cache, no half-written temp dir
