@@ -274,14 +274,22 @@ def engine_layout(
 
 
 def blocks_to_pages(
-    layers: Sequence[torch.Tensor], block_ids: Sequence[int], page_tokens: int
+    layers: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    page_tokens: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather blocks into pages, `(len(block_ids) * k, num_layers, 2, kv_heads, page_tokens,
-    head_dim)` with k = block_size / page_tokens, in token order."""
+    head_dim)` with k = block_size / page_tokens, in token order (into `out` when given:
+    at least that many pages; the rest is left alone)."""
     index = torch.tensor(block_ids, dtype=torch.long)
     n, (_, heads, block, width) = len(block_ids), layers[0].shape
     k, head_dim = block // page_tokens, width // 2
-    out = torch.empty((n * k, len(layers), 2, heads, page_tokens, head_dim), dtype=layers[0].dtype)
+    if out is None:
+        out = torch.empty(
+            (n * k, len(layers), 2, heads, page_tokens, head_dim), dtype=layers[0].dtype
+        )
+    out = out[: n * k]
     for i, layer in enumerate(layers):
         src = layer.index_select(0, index).view(n, heads, k, page_tokens, width)
         src = src.permute(0, 2, 1, 3, 4).reshape(n * k, heads, page_tokens, width)
@@ -294,15 +302,19 @@ def pages_to_blocks(
     pages: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int]
 ) -> None:
     """Scatter pages `(n * k, num_layers, 2, kv_heads, page_tokens, head_dim)`, in token
-    order, into n vLLM blocks."""
+    order, into n vLLM blocks: two strided copies a layer (K and V), no temporaries (on the
+    request's critical path, a temporary's first-touch page faults cost more than the
+    copy)."""
     index = torch.tensor(block_ids, dtype=torch.long)
-    n, (_, heads, block, width) = len(block_ids), layers[0].shape
+    n, (num_blocks, heads, block, width) = len(block_ids), layers[0].shape
     page_tokens = pages.shape[4]
-    k = block // page_tokens
+    k, head_dim = block // page_tokens, width // 2
     for i, layer in enumerate(layers):
-        kv = torch.cat((pages[:, i, 0], pages[:, i, 1]), dim=-1)  # (n*k, heads, p, 2*hd)
-        kv = kv.view(n, k, heads, page_tokens, width).permute(0, 2, 1, 3, 4)
-        layer[index] = kv.reshape(n, heads, block, width)
+        dst = layer.view(num_blocks, heads, k, page_tokens, width)
+        src = pages[:, i].view(n, k, 2, heads, page_tokens, head_dim)
+        # (n, k, heads, p, hd) -> (n, heads, k, p, hd): the block's token order
+        dst[..., :head_dim].index_copy_(0, index, src[:, :, 0].permute(0, 2, 1, 3, 4))
+        dst[..., head_dim:].index_copy_(0, index, src[:, :, 1].permute(0, 2, 1, 3, 4))
 
 
 class EngineCache:
@@ -374,6 +386,7 @@ class EngineCache:
         self.links = measure_links(layout.page_bytes, encrypted=auth is not None and auth.encrypt)
         self._lock = threading.Lock()
         self.pages_per_block = block_size // layout.page_tokens
+        self._staging: torch.Tensor | None = None  # see `_staged`
         self.loaded_blocks = 0
         self.refused_pages = 0
         self.saved_pages = 0
@@ -393,7 +406,8 @@ class EngineCache:
                 first_block = have // k
                 written = 0
                 if first_block < len(spec.block_ids):
-                    pages = blocks_to_pages(layers, spec.block_ids[first_block:], p)
+                    blocks = spec.block_ids[first_block:]
+                    pages = blocks_to_pages(layers, blocks, p, self._staged(len(blocks) * k))
                     for i in range(have, len(spec.block_ids) * k):
                         self.store.write_page(allocation.pages[i], pages[i - first_block * k])
                         written += 1
@@ -419,7 +433,10 @@ class EngineCache:
             try:
                 end = self._copy_in(allocation, spec) // k  # whole blocks only
                 if end > spec.first:
-                    pages = self.store.read_pages(allocation.pages[spec.first * k : end * k])
+                    staged = self._staged((end - spec.first) * k)
+                    pages = self.store.read_pages(
+                        allocation.pages[spec.first * k : end * k], staged
+                    )
                     pages_to_blocks(pages, layers, spec.block_ids[spec.first : end])
                 allocation.publish(end * k * p)
             finally:
@@ -436,6 +453,20 @@ class EngineCache:
         )
         self.publisher.nudge()
         return set(spec.block_ids[max(end, spec.first) :])
+
+    def _staged(self, pages: int) -> torch.Tensor:
+        """A staging buffer of `pages` pages, between vLLM's blocks and the store. Kept
+        across calls (grown in whole blocks): a fresh tensor of a load's size (23 MB for
+        1,024 SmolLM2 tokens) costs more in first-touch page faults than the copies
+        themselves, and a load is on the request's time to first token."""
+        if self._staging is None or self._staging.shape[0] < pages:
+            k = self.pages_per_block
+            size = -(-pages // k) * k
+            self._staging = None
+            self._staging = torch.zeros(
+                (size, *self.store.layout.page_shape), dtype=self.store.layout.torch_dtype
+            )
+        return self._staging[:pages]
 
     def _acquire(self, spec: LoadSpec | SaveSpec) -> Any:
         """The spec's pages, every one the store holds counted as held. The cache always
