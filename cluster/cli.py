@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "copy": "page copies between workers against plain copies of the same bytes",
     "ttft": "time to first token with the real model: cold, local, remote, several holders",
     "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
+    "batch": "a worker's batches with same-batch prefix sharing, without it, and one by one",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
 }
 

@@ -22,6 +22,7 @@ from workers.costs import POLICIES
 from workers.models import DTYPES, model_shape
 from workers.page_store import StoreLayout
 from workers.prefix_cache import PrefixCacheConfig
+from workers.scheduler import SchedulerConfig
 from workers.transfer import ENCRYPT_PAGES_DEFAULT
 
 
@@ -103,9 +104,25 @@ class WorkersConfig:
     # speeds; "always" / "never" force one (tests of the copy path use "always": a tiny
     # model computes faster than any copy).
     copy_policy: str = "measured"
+    # Batching (`workers.scheduler`): sequences running at once, tokens one forward pass
+    # takes, a prompt's tokens per pass (0: as many as the pass has room for), and
+    # whether requests arriving together compute a prefix they share once.
+    max_running: int = 32
+    max_batch_tokens: int = 4096
+    prefill_chunk_tokens: int = 0
+    batch_sharing: bool = True
+
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            self.max_running, self.max_batch_tokens, self.prefill_chunk_tokens, self.batch_sharing
+        )
 
     def __post_init__(self) -> None:
         _check_host(self.host, "workers.host")
+        try:
+            self.scheduler()
+        except ValueError as exc:
+            raise ConfigError(f"workers: {exc}") from None
         if self.copy_policy not in POLICIES:
             raise ConfigError(
                 f"workers.copy_policy {self.copy_policy!r} unknown; known: "

@@ -68,6 +68,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 SHUTDOWN_TIMEOUT_S = 60.0  # for every worker to unlink its store and stop serving
 EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
+# Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
+# the front door's stats, pings and peer updates beside them.
+WORKER_CONCURRENCY = 256
 
 
 class GenerateResult(NamedTuple):
@@ -86,9 +89,27 @@ class _FrontRequest(NamedTuple):
     arguments: dict[str, Any]  # the worker's generate/stream keyword arguments
 
 
-def _result(out: dict[str, Any]) -> GenerateResult:
+def _result(out: dict[str, Any], start: float | None = None) -> GenerateResult:
+    """A worker's answer as the front door returns it. With `start` (when the caller
+    asked), `ttft_client_s` is the time to first token as the caller saw it: routing,
+    queueing and the worker's own time to first token (the worker's time after its first
+    token, until it answered, taken off the caller's whole wait)."""
+    stats = dict(out["stats"])
+    if start is not None:
+        waited = time.perf_counter() - start
+        stats["ttft_client_s"] = max(0.0, waited - (stats["total_s"] - stats["ttft_s"]))
     return GenerateResult(
-        out["token_ids"], out["text"], out["stats"], out.get("logits"), out["finish_reason"]
+        out["token_ids"], out["text"], stats, out.get("logits"), out["finish_reason"]
+    )
+
+
+def _many_prompts(prompt: Any) -> bool:
+    """Whether `prompt` is several prompts (a list of texts or of token-id lists) rather
+    than one (a text, or one list of token ids)."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(p, (str, list, tuple)) for p in prompt)
     )
 
 
@@ -98,9 +119,12 @@ class WorkerActor(Worker):
 
     def __init__(self, settings: dict[str, Any]):
         from workers.prefix_cache import PrefixCacheConfig
+        from workers.scheduler import SchedulerConfig
 
         settings = dict(settings)
         settings["cache"] = PrefixCacheConfig(**settings["cache"])
+        if "scheduler" in settings:
+            settings["scheduler"] = SchedulerConfig(**settings["scheduler"])
         if settings.get("keypair") is not None:
             settings["keypair"] = KeyPair(*settings["keypair"])
         settings["page_peers"] = frozenset(settings.get("page_peers", ()))
@@ -229,6 +253,7 @@ class Mesh:
                     "model": cfg.model.name,
                     "dtype": cfg.model.dtype,
                     "copy_policy": cfg.workers.copy_policy,
+                    "scheduler": dataclasses.asdict(cfg.workers.scheduler()),
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
                     "threads": cfg.workers.threads,
@@ -246,6 +271,9 @@ class Mesh:
                     num_gpus=bundle.get("GPU", 0.0),
                     max_restarts=cfg.workers.max_restarts,
                     max_task_retries=0,  # a request in flight fails over at the front door
+                    # Requests in flight at once: they queue in the worker's scheduler,
+                    # which batches them (a serial actor would hand it one at a time).
+                    max_concurrency=WORKER_CONCURRENCY,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=i
                     ),
@@ -329,7 +357,7 @@ class Mesh:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[str | Sequence[int]],
         max_new_tokens: int = 16,
         tenant: str = "default",
         worker: str | None = None,
@@ -342,14 +370,18 @@ class Mesh:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
-    ) -> GenerateResult:
-        """Generate from a prompt on the worker that holds most of its prefix.
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generate from a prompt on the worker that should take it: the one whose cached
+        and copyable prefix, against its load, gets the first token out soonest.
 
         Generation stops at the model's end-of-sequence token(s) (returned as the last
         token, left out of `text`), at one of `stop_token_ids`, or after `max_new_tokens`.
+        Many prompts (a list of texts or of token-id lists) are routed each, sent to each
+        worker together (so a prefix they share is computed once) and batched there; the
+        results come back in order. Calls from several threads run at once.
 
         Args:
-            prompt: text or token ids.
+            prompt: text or token ids, or a list of them.
             max_new_tokens: tokens to generate at most.
             tenant: the tenant's name; its pages are never shared with other tenants.
             worker: run on this worker instead of routing (for tests and benchmarks).
@@ -362,9 +394,11 @@ class Mesh:
             stop_token_ids: more tokens that end generation.
             ignore_eos: generate past the end-of-sequence tokens (to max_new_tokens).
         Returns:
-            GenerateResult(token_ids, text, stats, logits, finish_reason): finish_reason
-            "stop" or "length"; stats include local_hit_tokens, remote_hit_tokens,
-            computed_tokens, ttft_s and worker.
+            GenerateResult(token_ids, text, stats, logits, finish_reason) (a list of them
+            for a list of prompts): finish_reason "stop" or "length"; stats include
+            local_hit_tokens, remote_hit_tokens, computed_tokens, batch_shared_tokens,
+            ttft_client_s (as the caller saw it: routing and queueing included), ttft_s
+            and queue_s (from its arrival at the worker) and worker.
         Raises:
             ValueError: an empty prompt, token ids outside the vocabulary, max_new_tokens
                 not an int >= 1 or past the model's context window, bad sampling
@@ -372,26 +406,64 @@ class Mesh:
                 Nothing is held or routed then.
             MeshError: no live worker is left, or the worker named by `worker` is dead.
         """
+        start = time.perf_counter()
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        request = self._request(
-            prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
-        )
-        while True:
-            chosen = worker or self._route(request.namespace, request.tokens)
-            if self.roster.is_dead(chosen):
-                raise MeshError(f"worker {chosen!r} is dead")
-            try:
-                with self.roster.running(chosen):
-                    call = self.workers[chosen].generate.remote(
-                        request.tokens, return_logits=return_logits, **request.arguments
-                    )
-                    out = ray.get(call)
-            except ray.exceptions.RayActorError as exc:
-                self.roster.lost(chosen, exc)
-                if worker is not None:
-                    raise MeshError(f"worker {chosen!r} died during the request: {exc}") from None
-                continue  # routed: run it again on a live worker
-            return _result(out)
+        many = _many_prompts(prompt)
+        requests = [
+            self._request(
+                p, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+            )
+            for p in (prompt if many else [prompt])
+        ]
+        results = self._generate(requests, worker, return_logits, start)
+        return results if many else results[0]
+
+    def _generate(
+        self,
+        requests: list[_FrontRequest],
+        worker: str | None,
+        return_logits: bool,
+        start: float,
+    ) -> list[GenerateResult]:
+        """Route each request, send each worker its requests as one batch (they are
+        queued together, so they share what they have in common), gather the results
+        in order; requests whose worker died run again on live workers."""
+        results: list[GenerateResult | None] = [None] * len(requests)
+        pending = dict(enumerate(requests))
+        while pending:
+            by_worker: dict[str, list[int]] = {}
+            for i, request in pending.items():
+                chosen = worker or self._route(request.namespace, request.tokens)
+                if self.roster.is_dead(chosen):
+                    raise MeshError(f"worker {chosen!r} is dead")
+                by_worker.setdefault(chosen, []).append(i)
+            with contextlib.ExitStack() as running:
+                calls = {}
+                for chosen, indexes in by_worker.items():
+                    running.enter_context(self.roster.running(chosen, len(indexes)))
+                    batch = [
+                        {
+                            "prompt": pending[i].tokens,
+                            "return_logits": return_logits,
+                            **pending[i].arguments,
+                        }
+                        for i in indexes
+                    ]
+                    calls[chosen] = self.workers[chosen].generate_batch.remote(batch)
+                for chosen, call in calls.items():
+                    try:
+                        outs = ray.get(call)
+                    except ray.exceptions.RayActorError as exc:
+                        self.roster.lost(chosen, exc)
+                        if worker is not None:
+                            raise MeshError(
+                                f"worker {chosen!r} died during the request: {exc}"
+                            ) from None
+                        continue  # routed: its requests run again on live workers
+                    for i, out in zip(by_worker[chosen], outs, strict=True):
+                        results[i] = _result(out, start)
+                        del pending[i]
+        return results
 
     def stream(
         self,

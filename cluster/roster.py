@@ -79,15 +79,15 @@ class Roster:
         return {w: n / total for w, n in inflight.items()}
 
     @contextlib.contextmanager
-    def running(self, worker_id: str) -> Iterator[None]:
-        """Count a request as in flight on `worker_id` while the block runs."""
+    def running(self, worker_id: str, requests: int = 1) -> Iterator[None]:
+        """Count `requests` as in flight on `worker_id` while the block runs."""
         with self._lock:
-            self._inflight[worker_id] += 1
+            self._inflight[worker_id] += requests
         try:
             yield
         finally:
             with self._lock:
-                self._inflight[worker_id] -= 1
+                self._inflight[worker_id] -= requests
 
     def met(self, infos: dict[str, dict[str, Any]], dead: set[str] = frozenset()) -> None:
         """Record the workers' `info` (and those already found dead, when attaching)."""

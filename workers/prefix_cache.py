@@ -103,6 +103,7 @@ class CacheStats:
     hit_tokens: int = 0  # reused from cached pages, including copy-on-write tokens
     cow_tokens: int = 0  # of hit_tokens, reused by copying part of a cached page
     batch_shared_tokens: int = 0  # computed once by another request of the same batch
+    alignment_lost_tokens: int = 0  # cached, but past the last chunk boundary: computed
     computed_tokens: int = 0
     failed_acquires: int = 0  # not enough pages even after eviction
     allocated_pages: int = 0  # taken from the allocator (new KV, copies, decode slots)
@@ -373,6 +374,7 @@ class _Match(NamedTuple):
     path: list[_Run]  # runs to reference, root's child first; their pages come first
     cow_source: _Run | None  # a one-page run whose first slots are copied, or None
     reuse: int  # tokens whose KV the request gets: the path's pages, then copied slots
+    aligned_away: int  # cached tokens past the last chunk boundary (computed instead)
 
 
 class PrefixCache:
@@ -582,7 +584,7 @@ class PrefixCache:
     ) -> BatchEntry | None:
         p = self.page_tokens
         n = len(tokens)
-        path, cow_source, reuse = self._match(packed, namespace, owners)
+        path, cow_source, reuse, aligned_away = self._match(packed, namespace, owners)
         full_ref = reuse // p  # the path's pages: it ends where the reuse's full pages do
         new_pages = _pages_for(n + extra_slots, p) - full_ref
 
@@ -637,6 +639,7 @@ class PrefixCache:
                 held += own
 
         stats.hit_tokens += reuse - shared * p
+        stats.alignment_lost_tokens += aligned_away
         stats.cow_tokens += cow_tokens
         stats.batch_shared_tokens += shared * p
         stats.computed_tokens += n - reuse
@@ -698,8 +701,8 @@ class PrefixCache:
 
         # Leave at least the last prompt token to compute: the model needs its logits.
         reuse = min(matched * p + partial_len, n - 1)
-        if self.config.chunk_tokens:
-            reuse -= reuse % self.config.chunk_tokens
+        aligned_away = reuse % self.config.chunk_tokens if self.config.chunk_tokens else 0
+        reuse -= aligned_away
         full = reuse // p
         # The path: the walked runs up to page `full`, the last one split there if needed.
         # `after` is the walked run that then begins at page `full`, if any.
@@ -725,7 +728,7 @@ class PrefixCache:
                 cow_source = None
             elif len(cow_source.pages) > 1:
                 cow_source = self._split(cow_source, 1, owners)
-        return _Match(path, cow_source, reuse)
+        return _Match(path, cow_source, reuse, aligned_away)
 
     # ------------------------------------------------------------------ publish / release
 

@@ -1,18 +1,21 @@
 """The worker: one per GPU or CPU slot, serving generations over its own and its peers' KV.
 
-A request's path through a worker (see also docs/structure.md):
+A request's path through a worker (see also docs/structure.md). It is queued in the
+worker's scheduler (`workers.scheduler`), and the serving thread (`workers.serving`)
+runs it in batched forward passes with the other requests in flight; on admission:
 
-1. tokens -> `PrefixCache.acquire`: the longest prefix this worker holds, pinned; pages
-   for the rest.
+1. tokens -> `PrefixCache.acquire` (`acquire_batch` for requests sent together): the
+   longest prefix this worker holds, pinned; pages for the rest.
 2. If more of the prompt is cached elsewhere, ask the service (`match`), plan which
    holder gives which pages (`workers.copy_in`), and copy them in when that beats
    recomputing them (`workers.costs`): straight out of the holder's shared memory on the
    same node, from its page server across nodes; the holders are copied from at once.
    Each copied page is validated; the first page that fails ends the copied prefix, and
    everything after it is recomputed.
-3. The model computes the rest and decodes; `publish` makes the new full pages
-   shareable, `release` unpins, and the publisher's thread tells the service a moment
-   later (never on the request path: a failure to publish never fails a request).
+3. The model computes the rest (in the batch's passes) and decodes; `publish` makes the
+   new full pages shareable (prompt pages as soon as they are computed), `release`
+   unpins, and the publisher's thread tells the service a moment later (never on the
+   request path: a failure to publish never fails a request).
 
 The class is plain Python (tested without Ray); `cluster` runs it as a Ray actor.
 """
@@ -34,6 +37,7 @@ import torch
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from workers import models
+from workers.batch_runner import BatchRunner
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.costs import (
@@ -59,7 +63,11 @@ from workers.page_store import SharedPageStore, reclaim_dead_segments, worker_ta
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.publisher import EventPublisher
 from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
-from workers.sampling import SamplingParams
+from workers.sampling import Sampler, SamplingParams
+from workers.scheduler import CacheFull, Scheduler, SchedulerConfig, Step
+from workers.sequence import Phase
+from workers.sequence import Sequence as Seq
+from workers.serving import ServingLoop
 from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
 
 log = logging.getLogger(__name__)
@@ -70,9 +78,7 @@ log = logging.getLogger(__name__)
 SERVICE_BACKOFF_S = 1.0
 
 
-class CacheFull(RuntimeError):
-    """The worker's page store cannot hold this request even after evicting everything
-    unreferenced."""
+__all__ = ["CacheFull", "Worker", "WorkerSettings"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class WorkerSettings:
     # Copy or recompute a request's pages cached on peers (`workers.costs.POLICIES`):
     # "measured" weighs both by this machine's measurements; "always" / "never" force one.
     copy_policy: str = "measured"
+    # How the worker batches the requests it serves at once.
+    scheduler: SchedulerConfig = SchedulerConfig()
 
 
 class _Request(NamedTuple):
@@ -115,8 +123,8 @@ class _Request(NamedTuple):
 
 class Worker:
     """Holds a page store, the local prefix cache, a page server, the service client and
-    publisher, and the model runner. Thread-safe for concurrent `generate` calls (the
-    model runs one call at a time)."""
+    publisher, and the model with its scheduler. Thread-safe: concurrent `generate` calls
+    queue in the scheduler and are batched by one serving thread."""
 
     def __init__(self, settings: WorkerSettings, model: Any = None, tokenizer: Any = None):
         self.settings = settings
@@ -194,6 +202,22 @@ class Worker:
         self.profile = self._prefill_profile()
         self.copy_decisions: Counter[str] = Counter()  # by Decision.reason
         self.last_decision: Decision | None = None
+        # Requests queue in the scheduler; one serving thread runs the model on batches.
+        self.batch_runner = BatchRunner(model, self.store)
+        self.scheduler = Scheduler(
+            self.cache,
+            settings.scheduler,
+            copy_in=self._copy_in_sequence,
+            on_admit=self._admitted,
+            on_finish=self._finished,
+        )
+        self._seq_ids = itertools.count()
+        self.serving = ServingLoop(
+            self.batch_runner,
+            self.scheduler,
+            name=f"kvmesh-serving-{settings.worker_id}",
+            on_pass=self._pass_done,
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -323,76 +347,148 @@ class Worker:
             namespace = namespace._replace(adapter=f"{adapter}(no reuse {next(self._private)})")
         return _Request(tokens, max_new_tokens, namespace, reuse, params, frozenset(stops))
 
+    def generate_batch(self, requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Generate for requests that arrive together: they are queued at once, so a
+        prefix they share and nobody has cached is computed once (the scheduler's batch
+        plan), and they run in the same forward passes.
+
+        Args:
+            requests: each a dict of `generate`'s arguments (`prompt` and the rest).
+        Returns:
+            One result per request, in order, as `generate` returns it.
+        Raises:
+            ValueError: a bad request (nothing of the batch is queued then).
+            CacheFull: a request that cannot fit even alone.
+        """
+        checked = []
+        for request in requests:
+            args = dict(request)
+            return_logits = bool(args.pop("return_logits", False))
+            checked.append((self._request(**self._request_args(args)), return_logits))
+        sequences = [self._sequence(request, logits, None) for request, logits in checked]
+        return self._run(sequences)
+
+    def _request_args(self, args: dict[str, Any]) -> dict[str, Any]:
+        known = (
+            "prompt",
+            "max_new_tokens",
+            "salt",
+            "adapter",
+            "reuse",
+            "sampling",
+            "stop_token_ids",
+            "ignore_eos",
+        )
+        unknown = set(args) - set(known)
+        if unknown:
+            raise ValueError(f"unknown request arguments {sorted(unknown)}; known: {known}")
+        defaults = {
+            "max_new_tokens": 16,
+            "salt": "",
+            "adapter": "",
+            "reuse": True,
+            "sampling": None,
+            "stop_token_ids": (),
+            "ignore_eos": False,
+        }
+        return {**defaults, **args}
+
     def _serve(self, request: _Request, return_logits: bool, on_token) -> dict[str, Any]:
-        start = time.perf_counter()
-        tokens, max_new_tokens, namespace = request[:3]
-        salt = namespace.salt
+        return self._run([self._sequence(request, return_logits, on_token)])[0]
+
+    def _sequence(self, request: _Request, return_logits: bool, on_token) -> Seq:
+        return Seq(
+            next(self._seq_ids),
+            request.tokens,
+            request.namespace,
+            request.max_new_tokens,
+            Sampler(request.sampling),
+            request.stops,
+            request.reuse,
+            on_token,
+            return_logits,
+        )
+
+    def _run(self, sequences: list[Seq]) -> list[dict[str, Any]]:
+        """Queue sequences together and wait for all of them."""
         with self._lock:
-            self.active += 1
+            self.active += len(sequences)
         try:
-            allocation = self.cache.acquire(tokens, namespace, extra_token_slots=max_new_tokens)
-            if allocation is None:
-                raise CacheFull(
-                    f"{len(tokens)} + {max_new_tokens} tokens do not fit in "
-                    f"{self.store.num_pages} pages of {self.cache.page_tokens}"
-                )
-            try:
-                local = allocation.cached_tokens
-                copy_start = time.perf_counter()
-                reuse = request.reuse
-                computed_from = self._copy_in(allocation, tokens, namespace) if reuse else local
-                copy_s = time.perf_counter() - copy_start
-                # Admitted: hits are known now (copies validated); the rest is computed.
-                self.figures.admitted(
-                    salt, local, computed_from - local, len(tokens) - computed_from
-                )
-                if computed_from > local:
-                    self.figures.copy_took(copy_s)
-                result = self.runner.generate(
-                    allocation,
-                    max_new_tokens,
-                    sampling=request.sampling,
-                    stop_token_ids=request.stops,
-                    computed_from=computed_from,
-                    on_token=on_token,
-                )
-                self.profile.observe(
-                    len(tokens) - computed_from, computed_from, result.prefill.forward_s
-                )
-                ttft = time.perf_counter() - start - result.decode_s
-                self.figures.first_token(ttft, reused=computed_from > 0)
-                if reuse:
-                    allocation.publish(allocation.num_tokens)
-            finally:
-                allocation.release()
-            self.publisher.nudge()  # the new pages go to the service off the request path
+            self.serving.submit(sequences)
+            for seq in sequences:
+                seq.done.wait()
         finally:
             with self._lock:
-                self.active -= 1
-                self.requests += 1
+                self.active -= len(sequences)
+                self.requests += len(sequences)
+        self.publisher.nudge()  # the new pages go to the service off the request path
+        for seq in sequences:
+            if seq.error is not None:
+                raise seq.error
+        return [self._result(seq) for seq in sequences]
+
+    def _result(self, seq: Seq) -> dict[str, Any]:
+        local, remote = seq.hits
         text = (
-            self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            self.tokenizer.decode(seq.output, skip_special_tokens=True)
             if self.tokenizer is not None
             else ""
         )
-        extra = {"logits": result.prefill.logits.tolist()} if return_logits else {}
+        extra = {"logits": seq.logits.tolist()} if seq.logits is not None else {}
+        now = time.perf_counter()
         return {
             **extra,
-            "token_ids": list(result.token_ids),
+            "token_ids": list(seq.output),
             "text": text,
-            "finish_reason": result.finish_reason,
+            "finish_reason": seq.finish_reason,
             "stats": {
                 "local_hit_tokens": local,
-                "remote_hit_tokens": computed_from - local,
-                "computed_tokens": len(tokens) - computed_from,
-                "prompt_tokens": len(tokens),
-                "ttft_s": ttft,
-                "prefill_forward_s": result.prefill.forward_s,
-                "copy_s": copy_s,
-                "total_s": time.perf_counter() - start,
+                "remote_hit_tokens": remote,
+                "computed_tokens": len(seq.prompt) - local - remote,
+                "prompt_tokens": len(seq.prompt),
+                "batch_shared_tokens": seq.batch_shared,
+                "recomputed_tokens": seq.recomputed,
+                "preemptions": seq.preemptions,
+                # From arrival at this worker: time queued included.
+                "ttft_s": seq.first_token_at - seq.arrived,
+                "queue_s": seq.admitted_at - seq.arrived,
+                "prefill_forward_s": seq.prefill_s,
+                "copy_s": seq.copy_s,
+                "total_s": now - seq.arrived,
                 "worker": self.worker_id,
             },
         }
+
+    # -- the scheduler's callbacks (on the serving thread) -----------------------------
+
+    def _copy_in_sequence(self, seq: Seq) -> int:
+        return self._copy_in(seq.allocation, seq.tokens, seq.namespace)
+
+    def _admitted(self, seq: Seq) -> None:
+        """A request's first admission: its hits are known now (copies validated)."""
+        local, remote = seq.hits
+        self.figures.admitted(seq.namespace.salt, local, remote, len(seq.prompt) - local - remote)
+        if remote:
+            self.figures.copy_took(seq.copy_s)
+
+    def _finished(self, seq: Seq) -> None:
+        if seq.first_token_at is not None and seq.error is None:
+            local, remote = seq.hits
+            self.figures.first_token(seq.first_token_at - seq.arrived, reused=local + remote > 0)
+
+    def _pass_done(self, step: Step, seconds: float) -> None:
+        """A forward pass ran: charge its time to the prefills in it; a lone prefill
+        refines the prefill curve the copy decisions use."""
+        prefills = [
+            (seq, chunk)
+            for seq, chunk in zip(step.sequences, step.chunks, strict=True)
+            if seq.phase is Phase.PREFILL
+        ]
+        for seq, _ in prefills:
+            seq.prefill_s += seconds
+        if len(step.chunks) == 1 and prefills:
+            ((_, chunk),) = prefills
+            self.profile.observe(len(chunk.tokens), chunk.start, seconds)
 
     def clear_cache(self) -> int:
         """Drop every cached page no request holds (a cache reset); the service hears of
@@ -422,6 +518,13 @@ class Worker:
             "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
             "pages_served": self.page_server.pages_sent,
             "copies_refused": self.copies_refused,
+            "scheduler": {
+                **self.scheduler.load(),
+                "steps": self.scheduler.steps,
+                "preemptions": self.scheduler.preemptions,
+                "forward_calls": self.batch_runner.calls,
+                "forward_tokens": self.batch_runner.tokens_run,
+            },
             "page_server": self.page_server.health(),
             "attached": self.sources.attached(),  # peers' stores mapped here, by name
             "copy": {
@@ -444,6 +547,7 @@ class Worker:
             log.info("worker %s reclaimed the segment %s of a dead worker", self.worker_id, name)
 
     def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
         self.cache.check_integrity()
         self.figures.check_integrity()
         self.store.check_integrity()
@@ -452,7 +556,9 @@ class Worker:
         self.profile.check_integrity()
 
     def shutdown(self) -> None:
-        """Leave the service, stop serving pages, unlink the page store (idempotent)."""
+        """Stop serving (requests still queued fail), leave the service, stop serving
+        pages, unlink the page store (idempotent)."""
+        self.serving.stop()
         self.publisher.stop(bye=True)
         self.page_server.stop()
         self.copier.close()

@@ -290,3 +290,65 @@ def test_bad_chats_are_refused(mesh):
     ]:
         with pytest.raises(ValueError, match=message):
             mesh.chat(messages)
+
+
+def _questions(mesh, n: int) -> list[list[int]]:
+    """`n` prompts sharing the system prompt and differing in the user's question."""
+    asks = ["Which train goes to Lyon?", "Can I take my dog?", "Is the 7:40 direct?",
+            "Do bicycles travel free on Mondays?"]  # fmt: skip
+    prompts = []
+    for ask in asks[:n]:
+        messages = [MESSAGES[0], {"role": "user", "content": ask}]
+        text = mesh.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(list(mesh.tokenizer.encode(text)))
+    return prompts
+
+
+def test_a_batch_sharing_an_uncached_prefix_computes_it_once_with_each_output_as_alone(mesh, roles):
+    """Four requests sent together, sharing a system prompt nobody has cached: the first
+    computes it, the others only their questions, all in the worker's batched passes;
+    each output (tokens, finish reason, last-prompt logits) equals the request run alone,
+    uncached."""
+    prompts = _questions(mesh, 4)
+    shared = min(len(p) for p in prompts)
+    while any(p[:shared] != prompts[0][:shared] for p in prompts):
+        shared -= 1
+    alone = [
+        mesh.generate(p, 24, tenant="batch-ref", worker=roles.alone, return_logits=True,
+                      reuse=False)
+        for p in prompts
+    ]  # fmt: skip
+    batch = mesh.generate(prompts, 24, tenant="batch", worker=roles.first, return_logits=True)
+    assert len(batch) == 4
+    for result, reference in zip(batch, alone, strict=True):
+        _same(result, reference)
+    page = 16
+    assert batch[0].stats["computed_tokens"] == len(prompts[0])
+    for result in batch[1:]:
+        # The shared pages were computed once, by the first request, in the same batch.
+        assert result.stats["batch_shared_tokens"] == shared // page * page
+        assert result.stats["local_hit_tokens"] == 0  # computed once is not a hit
+        assert result.stats["ttft_client_s"] >= result.stats["ttft_s"] > 0
+
+
+def test_concurrent_calls_from_threads_are_batched_on_one_worker(mesh, roles):
+    """Requests from four threads at once reach one worker's scheduler together: they
+    share forward passes (fewer passes than run one by one) and give the outputs they
+    give alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [p[-40:] for p in _questions(mesh, 4)]  # the questions' ends: no shared pages
+    alone = [mesh.generate(p, 12, tenant="threads-ref", worker=roles.neighbour) for p in prompts]
+    before = ray.get(mesh.workers[roles.neighbour].stats.remote())["scheduler"]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(mesh.generate, p, 12, tenant="threads", worker=roles.neighbour)
+            for p in prompts
+        ]
+        together = [f.result() for f in futures]
+    after = ray.get(mesh.workers[roles.neighbour].stats.remote())["scheduler"]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    passes = after["forward_calls"] - before["forward_calls"]
+    assert passes < sum(len(r.token_ids) for r in together)  # one by one: a pass a token

@@ -30,6 +30,7 @@ from workers.page_store import (
     SegmentNotFoundError,
 )
 from workers.page_wire import PeerGone, Refused, ReplyTimeout
+from workers.serving import ServingStopped
 from workers.transfer import TransferError
 from workers.worker import CacheFull
 
@@ -47,6 +48,7 @@ SAMPLES = [
     (MeshError("the mesh has lost workers w1"), ()),
     (LaunchError("kvmesh is already up"), ()),
     (CacheFull("40 tokens do not fit"), ()),
+    (ServingStopped("this worker has stopped serving"), ()),
     (PageStoreError("closed"), ()),
     (NotOwnerError("read-only"), ()),
     (SegmentFormatError("bad magic"), ()),

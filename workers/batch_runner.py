@@ -1,0 +1,311 @@
+"""One forward pass over many sequences at once, their KV read from and written to pages.
+
+The scheduler hands the runner a list of chunks, each a run of consecutive tokens of one
+sequence whose earlier tokens already have their KV in that sequence's pages: a prompt's
+first chunk, a later chunk of a long prompt, or the one new token of a sequence in decode.
+The runner packs every chunk's tokens into one row (the model's projections and MLPs run
+once over all of them), and in each layer:
+
+1. projects the new tokens to Q, K, V and applies RoPE at each token's own position;
+2. writes the new K and V straight into their page slots (the pages are the KV cache:
+   nothing is appended to a per-sequence buffer, and nothing is copied out afterwards);
+3. gathers, once per group of sequences, the K and V of every page the group reads, and
+   runs one attention over the group's queries with a mask that lets each query see the
+   pages of its own sequence up to its own position.
+
+A group is the sequences that start from the same first page: pages are shared only as
+a chain from the root of the prefix trie, so sequences sharing any page share their
+first. The pages all of a group's sequences read first (a system prompt, an earlier
+turn) are gathered once, and every query of the group is scored against them in one
+matmul; each sequence's own pages after them are gathered and scored for its own queries
+alone, causally. The two parts meet in one softmax (the scores' maximum and sums taken
+over both), so the result is attention over the whole context, without a sequence's
+queries ever being scored against another's keys:
+
+    keys:        [ shared pages, gathered once ][ a's own pages ][ b's own pages ]
+    queries a:   [ all of them (one matmul)     ][ causal        ]
+    queries b:   [ all of them                  ]                 [ causal        ]
+
+A sequence that computes tokens inside the shared pages themselves (the one whose prefill
+fills them) runs alone, as does any sequence sharing nothing.
+
+Pages written here must be the caller's own (private, not yet published): no peer holds an
+expected generation for them until they are published, so they are written without a
+generation bump, as `workers.model_runner` does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from workers.page_store import SharedPageStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class Chunk(NamedTuple):
+    """Run `tokens` of one sequence at positions [start, start + len(tokens)).
+
+    Attributes:
+        pages: the sequence's pages, page i holding tokens [i*P, (i+1)*P); they cover
+            [0, start + len(tokens)), and hold the KV of [0, start) already.
+        tokens: the chunk's token ids.
+        start: the position of `tokens[0]`.
+    """
+
+    pages: Sequence[int]
+    tokens: Sequence[int]
+    start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class _Member(NamedTuple):
+    """One chunk of a group: its rows of the batch and the pages it reads alone."""
+
+    rows: torch.Tensor  # (q,) long: its token rows in the packed batch
+    pages: torch.Tensor  # (o,) long: its pages after the group's shared ones
+    mask: torch.Tensor  # (q, o * P) bool: the own key slots each query sees (causal)
+
+
+class _Group(NamedTuple):
+    """Chunks that read the same first pages (`shared`, None when they share none)."""
+
+    shared: torch.Tensor | None  # (s,) long: pages every member reads first
+    rows: torch.Tensor  # (q,) long: all members' rows, in member order
+    members: list[_Member]
+
+
+class BatchRunner:
+    """Forward passes over batches of chunks for a Llama-architecture model whose KV lives
+    in a page store (see the module docstring). One pass at a time (a lock).
+
+    Args:
+        model: a HF Llama-architecture causal LM (`model.model.layers[i].self_attn` with
+            q/k/v/o projections, RMS norms, an MLP, rotary embeddings).
+        store: the owning page store, laid out for the model (`store_layout_for`).
+
+    Raises:
+        ValueError: the model is not of that shape.
+    """
+
+    def __init__(self, model: PreTrainedModel, store: SharedPageStore):
+        inner = getattr(model, "model", None)
+        if inner is None or not all(
+            hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+        ):
+            raise ValueError(f"{type(model).__name__} is not a Llama-architecture causal LM")
+        self.model = model
+        self.store = store
+        self.page_tokens = store.layout.page_tokens
+        self.num_layers = len(inner.layers)
+        self.device = next(model.parameters()).device
+        self.calls = 0  # forward passes run
+        self.tokens_run = 0  # tokens those passes ran through the model
+        self._lock = threading.Lock()
+
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Run every chunk in one forward pass; their KV is then in their pages.
+
+        Returns:
+            `(len(chunks), vocab)` float32: the logits after each chunk's last token.
+
+        Raises:
+            ValueError: no chunks, an empty chunk, or too few pages for a chunk.
+        """
+        if not chunks:
+            raise ValueError("a forward pass needs at least one chunk")
+        p = self.page_tokens
+        for i, chunk in enumerate(chunks):
+            if not chunk.tokens:
+                raise ValueError(f"chunk {i} has no tokens")
+            if chunk.start < 0 or len(chunk.pages) * p < chunk.end:
+                raise ValueError(
+                    f"chunk {i}: tokens [{chunk.start}, {chunk.end}) need "
+                    f"{-(-chunk.end // p)} pages of {p}, got {len(chunk.pages)}"
+                )
+        with self._lock, torch.inference_mode():
+            self.calls += 1
+            self.tokens_run += sum(len(c.tokens) for c in chunks)
+            return self._forward(chunks)
+
+    # -- the pass ----------------------------------------------------------------------
+
+    def _forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        inner, p = self.model.model, self.page_tokens
+        ids = torch.tensor([t for c in chunks for t in c.tokens], device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(self.device)
+        # Where each new token's K and V go: (page, slot) of its position in its sequence.
+        write_pages = torch.tensor(
+            [c.pages[pos // p] for c in chunks for pos in range(c.start, c.end)],
+            device=self.device,
+        )
+        write_slots = positions % p
+        groups = self._groups(chunks)
+        last = torch.tensor(
+            [sum(len(c.tokens) for c in chunks[: i + 1]) - 1 for i in range(len(chunks))],
+            device=self.device,
+        )
+
+        hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, T, D)
+        cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))  # (1, T, hd) each
+        pages = self.store.page_range(0, self.store.num_pages)  # (N, L, 2, kv_heads, P, hd)
+        for layer_index, layer in enumerate(inner.layers):
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            attention = self._attention(
+                layer.self_attn,
+                x,
+                (cos, sin),
+                pages[:, layer_index],
+                write_pages,
+                write_slots,
+                groups,
+            )
+            hidden = residual + attention
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = inner.norm(hidden[0, last])  # (len(chunks), D)
+        return self.model.lm_head(hidden).float()
+
+    def _attention(
+        self,
+        attn: torch.nn.Module,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: torch.Tensor,
+        write_pages: torch.Tensor,
+        write_slots: torch.Tensor,
+        groups: list[_Group],
+    ) -> torch.Tensor:
+        """One layer's attention for the packed batch `x` (1, T, D); `kv` is the layer's
+        slice of every page, (N, 2, kv_heads, P, hd)."""
+        t, head_dim = x.shape[1], attn.head_dim
+        q = attn.q_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, H, T, hd)
+        k = attn.k_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, KVH, T, hd)
+        v = attn.v_proj(x).view(1, t, -1, head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        # The new tokens' KV into their slots: (T, KVH, hd) at kv[page, 0|1, :, slot].
+        kv[write_pages, 0, :, write_slots] = k[0].transpose(0, 1).to(kv.dtype)
+        kv[write_pages, 1, :, write_slots] = v[0].transpose(0, 1).to(kv.dtype)
+        out = torch.empty_like(q)  # (1, H, T, hd)
+        for group in groups:
+            if group.shared is None:
+                (member,) = group.members
+                keys, values = _gather(kv, member.pages, q.dtype)
+                out[:, :, member.rows] = F.scaled_dot_product_attention(
+                    q[:, :, member.rows],
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=member.mask,
+                    scale=attn.scaling,
+                    enable_gqa=True,
+                )
+            else:
+                out[0, :, group.rows] = _cascade(q[0, :, group.rows], kv, group, attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+
+    # -- grouping ----------------------------------------------------------------------
+
+    def _groups(self, chunks: Sequence[Chunk]) -> list[_Group]:
+        """The chunks grouped by their first page, each group with the pages all its
+        members read first (see the module docstring)."""
+        p = self.page_tokens
+        by_first: dict[int, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            by_first.setdefault(chunk.pages[0], []).append(i)
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + len(chunk.tokens))
+        groups: list[_Group] = []
+        for members in by_first.values():
+            shared = _common_pages([self._read(chunks[i]) for i in members])
+            # A chunk computing tokens inside the shared pages runs alone.
+            alone = [i for i in members if chunks[i].start < shared * p]
+            members = [i for i in members if i not in alone]
+            if len(members) > 1:
+                shared = _common_pages([self._read(chunks[i]) for i in members])
+            else:
+                alone, members, shared = alone + members, [], 0
+            for i in alone:
+                groups.append(
+                    _Group(None, self._rows(offsets, i), [self._member(chunks, offsets, i, 0)])
+                )
+            if members:
+                parts = [self._member(chunks, offsets, i, shared) for i in members]
+                pages = torch.tensor(list(chunks[members[0]].pages[:shared]), device=self.device)
+                groups.append(_Group(pages, torch.cat([m.rows for m in parts]), parts))
+        return groups
+
+    def _read(self, chunk: Chunk) -> Sequence[int]:
+        """The pages a chunk's queries read: those holding [0, end)."""
+        return chunk.pages[: -(-chunk.end // self.page_tokens)]
+
+    def _rows(self, offsets: list[int], i: int) -> torch.Tensor:
+        return torch.arange(offsets[i], offsets[i + 1], device=self.device)
+
+    def _member(self, chunks: Sequence[Chunk], offsets: list[int], i: int, shared: int) -> _Member:
+        """Chunk i's own part after `shared` pages: its pages and causal mask."""
+        p, chunk = self.page_tokens, chunks[i]
+        own = self._read(chunk)[shared:]
+        key_pos = torch.arange(shared * p, (shared + len(own)) * p)  # (o * P,)
+        query_pos = torch.arange(chunk.start, chunk.end).unsqueeze(1)  # (q, 1)
+        mask = (key_pos <= query_pos).to(self.device)  # (q, o * P)
+        pages = torch.tensor(list(own), dtype=torch.long, device=self.device)
+        return _Member(self._rows(offsets, i), pages, mask)
+
+
+def _common_pages(page_lists: Sequence[Sequence[int]]) -> int:
+    """How many first pages every list has in common."""
+    first, n = page_lists[0], min(len(pages) for pages in page_lists)
+    for i in range(n):
+        if any(pages[i] != first[i] for pages in page_lists):
+            return i
+    return n
+
+
+def _gather(
+    kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `pages` in page order: `(KVH, len(pages) * P, hd)` each."""
+    heads, head_dim = kv.shape[2], kv.shape[4]
+    keys = kv[pages, 0].transpose(0, 1).reshape(heads, -1, head_dim)
+    values = kv[pages, 1].transpose(0, 1).reshape(heads, -1, head_dim)
+    return keys.to(dtype), values.to(dtype)
+
+
+def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
+    """Attention of a group's queries `(H, q, hd)` over its shared pages and each member's
+    own pages, merged in one softmax; returns `(H, q, hd)`."""
+    heads, q_len, head_dim = q.shape
+    kv_heads = kv.shape[2]
+    rep = heads // kv_heads
+    shared_k, shared_v = _gather(kv, group.shared, q.dtype)  # (KVH, s * P, hd)
+    grouped = q.view(kv_heads, rep * q_len, head_dim)  # query heads of one KV head together
+    # (KVH, rep * q, s * P) -> (KVH, rep, q, s * P): every query against the shared keys
+    shared_scores = (grouped @ shared_k.transpose(1, 2) * scale).view(kv_heads, rep, q_len, -1)
+    out = torch.empty_like(q).view(kv_heads, rep, q_len, head_dim)
+    at = 0
+    for member in group.members:
+        n = len(member.rows)
+        own_k, own_v = _gather(kv, member.pages, q.dtype)  # (KVH, o * P, hd)
+        mine = q[:, at : at + n].reshape(kv_heads, rep * n, head_dim)
+        own_scores = (mine @ own_k.transpose(1, 2) * scale).view(kv_heads, rep, n, -1)
+        own_scores = own_scores.masked_fill(~member.mask, float("-inf"))
+        shared_part = shared_scores[:, :, at : at + n]
+        top = torch.maximum(shared_part.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
+        shared_w, own_w = (shared_part - top).exp(), (own_scores - top).exp()
+        total = shared_w.sum(-1, keepdim=True) + own_w.sum(-1, keepdim=True)
+        # (KVH, rep, n, s*P) @ (KVH, 1, s*P, hd) + the own part, over the softmax's total
+        mixed = shared_w @ shared_v.unsqueeze(1) + own_w @ own_v.unsqueeze(1)
+        out[:, :, at : at + n] = mixed / total
+        at += n
+    return out.view(heads, q_len, head_dim)
