@@ -76,6 +76,16 @@ class WorkerReport(NamedTuple):
     copy_seconds: Observed  # COPY_BUCKETS, one observation per request that copied
     ttft_hit: Observed  # TTFT_BUCKETS, requests that reused cached tokens
     ttft_miss: Observed  # TTFT_BUCKETS, requests that computed their whole prompt
+    alignment_lost_tokens: int  # cached, but rounded off by chunk alignment: computed
+    # Its load now: what routing weighs (see `cache_service.index.routing`).
+    running: int  # sequences in prefill or decode
+    waiting: int  # requests queued, not yet admitted
+    queued_tokens: int  # prompt tokens of those, not yet computed
+    # What it measured (0: not yet): nanoseconds to compute one prompt token, and to copy
+    # one token's KV from a holder on its node and from one on another.
+    prefill_ns: int
+    copy_ns_same_node: int
+    copy_ns_remote: int
 
 
 def no_observations(bounds: Sequence[float]) -> Observed:
@@ -94,6 +104,13 @@ EMPTY_REPORT = WorkerReport(
     copy_seconds=no_observations(COPY_BUCKETS),
     ttft_hit=no_observations(TTFT_BUCKETS),
     ttft_miss=no_observations(TTFT_BUCKETS),
+    alignment_lost_tokens=0,
+    running=0,
+    waiting=0,
+    queued_tokens=0,
+    prefill_ns=0,
+    copy_ns_same_node=0,
+    copy_ns_remote=0,
 )
 
 
@@ -133,11 +150,15 @@ class Match(NamedTuple):
 
 
 class Route(NamedTuple):
-    """Which worker should take a prompt."""
+    """Which worker should take a prompt (see `cache_service.index.routing`)."""
 
     namespace: Namespace
     tokens: Any
-    loads: Mapping[str, float]  # worker id -> load (>= 0)
+    # The front door's view: worker id -> prompt tokens of its requests in flight there,
+    # not yet computed as far as it knows (>= 0); the candidates are these workers.
+    loads: Mapping[str, float]
+    # worker id -> tokens of this prompt it is computing for a request in flight.
+    pending: Mapping[str, float] = {}
 
 
 class GetStats(NamedTuple):

@@ -92,6 +92,8 @@ class WorkerFiguresRow(NamedTuple):
     pages: Mapping[str, int]  # state ("free", "cached", "in_use") -> pages
     evictions: Mapping[str, int]  # reason -> pages
     copy_bytes: Mapping[str, int]  # kind ("same_node", "remote") -> bytes
+    requests: Mapping[str, int] = {}  # "running" / "waiting" -> sequences now
+    alignment_lost_tokens: int = 0  # cached tokens rounded off by chunk alignment
 
 
 class MetricsSnapshot(NamedTuple):
@@ -138,6 +140,8 @@ def snapshot_from(
                 "same_node": report.copy_bytes_same_node,
                 "remote": report.copy_bytes_remote,
             },
+            requests={"running": report.running, "waiting": report.waiting},
+            alignment_lost_tokens=report.alignment_lost_tokens,
         )
         for worker_id, report, live in rows
     }
@@ -281,15 +285,35 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
         "Page bytes copied in from peers: same_node (shared memory) or remote (page server).",
         labels=["kind", "worker"],
     )
+    # As vLLM's num_requests_running / num_requests_waiting, per worker.
+    running = GaugeMetricFamily(
+        "kvmesh_num_requests_running",
+        "Sequences a worker runs now (in prefill or decode).",
+        labels=["worker"],
+    )
+    waiting = GaugeMetricFamily(
+        "kvmesh_num_requests_waiting",
+        "Requests queued in a worker, not yet admitted.",
+        labels=["worker"],
+    )
+    aligned = CounterMetricFamily(
+        "kvmesh_alignment_lost_tokens",
+        "Prompt tokens cached but computed again because chunk alignment rounded the "
+        "match down to a chunk boundary.",
+        labels=["worker"],
+    )
     for worker, row in sorted(workers.items()):
         if row.live:
             for state, count in row.pages.items():
                 pages.add_metric([state, worker], count)
+            running.add_metric([worker], row.requests.get("running", 0))
+            waiting.add_metric([worker], row.requests.get("waiting", 0))
         for reason, count in sorted(row.evictions.items()):
             evictions.add_metric([reason, worker], count)
         for kind, count in row.copy_bytes.items():
             copied.add_metric([kind, worker], count)
-    yield from (pages, evictions, copied)
+        aligned.add_metric([worker], row.alignment_lost_tokens)
+    yield from (pages, evictions, copied, running, waiting, aligned)
 
 
 def _query_families(label: str, tallies: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from cache_service.index.routing import WorkerLoad
 from cache_service.messages import WorkerReport
 
 SOURCES = ("local_hit", "remote_hit", "computed")
@@ -58,6 +59,23 @@ class WorkerReports:
         self._departed.move_to_end(worker_id)
         while len(self._departed) > self.max_departed:
             self._departed.popitem(last=False)
+
+    def loads(self) -> dict[str, WorkerLoad]:
+        """Live worker id -> its load and measured costs (defaults where it measured
+        nothing yet), for routing."""
+        out = {}
+        for worker_id, report in self._live.items():
+            measured = {
+                "prefill_s": report.prefill_ns,
+                "copy_s_same_node": report.copy_ns_same_node,
+                "copy_s_remote": report.copy_ns_remote,
+            }
+            out[worker_id] = WorkerLoad(
+                queued_tokens=report.queued_tokens,
+                running=report.running,
+                **{name: ns * 1e-9 for name, ns in measured.items() if ns > 0},
+            )
+        return out
 
     def items(self) -> list[tuple[str, WorkerReport, bool]]:
         """(worker id, report, live) for every worker with a report, sorted by id."""

@@ -104,7 +104,7 @@ class ServerConfig:
     # How often the loop wakes up without traffic to expire silent workers.
     housekeeping_interval_s: float = 0.25
     page_tokens: int = 16
-    load_weight: float = 0.5
+    load_weight: float = 1.0
     # Bounds on what clients can make the service hold (see GlobalIndex): registrations,
     # tenants with figures of their own, holders named per match.
     max_workers: int = 1024
@@ -550,7 +550,9 @@ class ServiceServer:
         return result
 
     def _route(self, request: Route) -> RouteDecision:
-        return self.index.route(request.namespace, request.tokens, request.loads)
+        return self.index.route(
+            request.namespace, request.tokens, request.loads, request.pending, self.reports.loads()
+        )
 
     def _stats(self, request: GetStats) -> StatsReply:
         return StatsReply(self._stats_snapshot())

@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "time to first token with the real model: cold, local, remote, several holders",
     "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
     "batch": "a worker's batches with same-batch prefix sharing, without it, and one by one",
+    "serve": "routing under concurrent load: kvmesh's against round-robin and prefix affinity",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
 }
 

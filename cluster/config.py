@@ -159,7 +159,9 @@ class ServiceConfig:
     host: str = "loopback"
     port: int = 0
     liveness_timeout_s: float = 10.0
-    load_weight: float = 0.5
+    # Routing: how much a prompt token queued on a worker counts against it, next to the
+    # tokens this prompt would compute there (1: as much; a worker computes its queue first).
+    load_weight: float = 1.0
     # What clients can make the service hold: registrations, tenants with figures of
     # their own (the rest summed as "(other)"), holders named per match.
     max_workers: int = 1024

@@ -35,7 +35,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,6 +56,7 @@ from cluster import placement
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.errors import MeshError
 from cluster.roster import Roster
+from cluster.router import InFlight
 from cluster.status import summarize
 from cluster.streams import TokenStream, chat_prompt
 from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
@@ -192,6 +193,7 @@ class Mesh:
     ):
         self.config = cfg
         self.roster = Roster(workers, cfg.workers.max_restarts != 0, self._report_dead)
+        self.inflight = InFlight(cfg.cache.page_tokens)  # what routing knows at once
         self.workers = workers  # worker id -> actor handle
         self._tokenizer = tokenizer
         self.owned = owned
@@ -431,16 +433,13 @@ class Mesh:
         results: list[GenerateResult | None] = [None] * len(requests)
         pending = dict(enumerate(requests))
         while pending:
-            by_worker: dict[str, list[int]] = {}
-            for i, request in pending.items():
-                chosen = worker or self._route(request.namespace, request.tokens)
-                if self.roster.is_dead(chosen):
-                    raise MeshError(f"worker {chosen!r} is dead")
-                by_worker.setdefault(chosen, []).append(i)
             with contextlib.ExitStack() as running:
+                by_worker: dict[str, list[int]] = {}
+                for i, request in pending.items():
+                    chosen = running.enter_context(self._placed(request, worker))
+                    by_worker.setdefault(chosen, []).append(i)
                 calls = {}
                 for chosen, indexes in by_worker.items():
-                    running.enter_context(self.roster.running(chosen, len(indexes)))
                     batch = [
                         {
                             "prompt": pending[i].tokens,
@@ -720,23 +719,51 @@ class Mesh:
             pass  # an answer all the same
         self._client.reconnect()
 
-    def _route(self, namespace: Namespace, tokens: list[int]) -> str:
-        """The live worker that should take the prompt (the service weighs what each holds
-        against its load); without the service, the least loaded live worker.
+    @contextlib.contextmanager
+    def _placed(self, request: _FrontRequest, worker: str | None = None) -> Iterator[str]:
+        """Route a request (to `worker` when one is named) and count it in flight there
+        while the block runs, for the routing of the requests after it; yields the
+        worker.
+
+        Raises:
+            MeshError: every worker is dead, or the named one is.
+        """
+        if worker is None:
+            chosen, computes = self._route(request.namespace, request.tokens)
+        else:
+            chosen, computes = worker, len(request.tokens)
+        if self.roster.is_dead(chosen):
+            raise MeshError(f"worker {chosen!r} is dead")
+        handle = self.inflight.add(chosen, request.namespace, request.tokens, computes)
+        try:
+            with self.roster.running(chosen):
+                yield chosen
+        finally:
+            self.inflight.remove(handle)
+
+    def _route(self, namespace: Namespace, tokens: list[int]) -> tuple[str, int]:
+        """The live worker that gets the prompt's first token out soonest, as the service
+        estimates it from what each worker holds, would copy and compute, and its queue
+        (this front door's requests in flight, and what the workers reported); without
+        the service, the live worker with the fewest prompt tokens in flight. Returns it
+        and the prompt tokens it is expected to compute.
 
         Raises:
             MeshError: every worker is dead.
         """
-        loads = self.roster.loads()
-        if not loads:
+        live = self.roster.live()
+        if not live:
             raise MeshError(f"no live worker left (dead: {', '.join(self.roster.dead())})")
+        loads = self.inflight.loads(live)
+        pending = self.inflight.pending(namespace, tokens)
         try:
-            decision = self._client.route(namespace, tokens, loads)
+            decision = self._client.route(namespace, tokens, loads, pending)
             if decision.worker_id in loads:
-                return decision.worker_id
+                held = max(decision.matched_tokens, int(pending.get(decision.worker_id, 0)))
+                return decision.worker_id, max(1, len(tokens) - held)
         except ServiceUnavailable:
             pass  # route without the index: least loaded
-        return min(loads, key=lambda w: (loads[w], w))
+        return min(loads, key=lambda w: (loads[w], w)), len(tokens)
 
 
 def _prepare_model(name: str, log) -> Any:

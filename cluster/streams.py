@@ -48,13 +48,11 @@ class TokenStream:
         self._started = True
         mesh, request = self._mesh, self._request
         while True:
-            chosen = self._worker or mesh._route(request.namespace, request.tokens)
-            if mesh.roster.is_dead(chosen):
-                raise MeshError(f"worker {chosen!r} is dead")
             text = _Detokenizer(mesh.tokenizer)
             yielded = False
+            chosen = self._worker
             try:
-                with mesh.roster.running(chosen):
+                with mesh._placed(request, self._worker) as chosen:
                     handle = mesh.workers[chosen]
                     items = handle.stream.options(num_returns="streaming").remote(
                         request.tokens, **request.arguments

@@ -272,11 +272,24 @@ class ServiceClient:
         return self.call(Match(namespace, tokens, requester))
 
     def route(
-        self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        loads: Mapping[str, float],
+        pending: Mapping[str, float] | None = None,
     ) -> RouteDecision:
-        """Which worker should take this prompt (most of it cached, weighed against load)."""
+        """Which worker gets this prompt's first token out soonest (what it holds, what it
+        would copy and compute, weighed against its queue: `cache_service.index.routing`).
+
+        Args:
+            loads: worker id -> prompt tokens this caller has in flight there (the
+                candidates are these workers).
+            pending: worker id -> tokens of this prompt it computes for a request in
+                flight.
+        """
         loads = {worker: float(load) for worker, load in loads.items()}
-        return self.call(Route(namespace, tokens, loads))
+        pending = {worker: float(n) for worker, n in (pending or {}).items()}
+        return self.call(Route(namespace, tokens, loads, pending))
 
     def stats(self) -> dict[str, Any]:
         """Cluster, per-worker and per-tenant statistics of the service."""

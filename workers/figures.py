@@ -27,6 +27,15 @@ from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TE
 
 OVERFLOW_SALT = "(other)"  # no tenant salt looks like this (salts are hex digests)
 SOURCES = ("local_hit", "remote_hit", "computed")
+# The report's load fields: what routing weighs.
+LOAD_FIELDS = (
+    "running",
+    "waiting",
+    "queued_tokens",
+    "prefill_ns",
+    "copy_ns_same_node",
+    "copy_ns_remote",
+)
 
 
 class WorkerFigures:
@@ -93,9 +102,13 @@ class WorkerFigures:
                 counts = histogram.counts()
                 assert min(counts.counts) >= 0 and counts.total >= 0, counts
 
-    def report(self, cache_stats: Mapping[str, Any]) -> WorkerReport:
+    def report(
+        self, cache_stats: Mapping[str, Any], load: Mapping[str, int] | None = None
+    ) -> WorkerReport:
         """The report for the service, with the page counts of `cache_stats` (the prefix
-        cache's `stats()`)."""
+        cache's `stats()`) and the worker's load and measured costs (`load`: the
+        report's running, waiting, queued_tokens and *_ns fields; absent: 0, unknown)."""
+        load = dict(load or {})
         evictions = dict(cache_stats["evictions"])
         if len(evictions) > MAX_REPORT_REASONS:  # reasons come from our code: never so many
             kept = sorted(evictions, key=evictions.get, reverse=True)[: MAX_REPORT_REASONS - 1]
@@ -114,4 +127,6 @@ class WorkerFigures:
                 copy_seconds=self._copy_seconds.observed(),
                 ttft_hit=self._ttft["hit"].observed(),
                 ttft_miss=self._ttft["miss"].observed(),
+                alignment_lost_tokens=cache_stats.get("alignment_lost_tokens", 0),
+                **{name: int(load.get(name, 0)) for name in LOAD_FIELDS},
             )

@@ -139,10 +139,17 @@ class Scheduler:
             self._arrived.notify_all()
 
     def load(self) -> dict[str, int]:
-        """Sequences running and waiting now."""
+        """Sequences running and waiting now, and the prompt tokens they have yet to
+        compute (read from any thread: a moment's figures, not a locked snapshot)."""
         with self._lock:
-            waiting = sum(len(group) for group in self._waiting)
-        return {"running": len(self.running), "waiting": waiting}
+            waiting = [seq for group in self._waiting for seq in group]
+        running = list(self.running)
+        queued = sum(len(seq.to_compute) for seq in waiting)
+        for seq in running:
+            allocation = seq.allocation
+            if seq.phase is Phase.PREFILL and allocation is not None:
+                queued += max(0, len(allocation.tokens) - seq.computed)
+        return {"running": len(running), "waiting": len(waiting), "queued_tokens": queued}
 
     # -- on the serving thread ---------------------------------------------------------
 

@@ -182,7 +182,7 @@ class Worker:
             shm_name=self.store.name,
             page_key=None if keys is None else keys.public,
             load=self.load,
-            report=lambda: self.figures.report(self.cache.stats()),
+            report=lambda: self.figures.report(self.cache.stats(), self._load_figures()),
             on_new_service=self.client.reconnect,
         )
         self.publisher.sync()
@@ -489,6 +489,22 @@ class Worker:
         if len(step.chunks) == 1 and prefills:
             ((_, chunk),) = prefills
             self.profile.observe(len(chunk.tokens), chunk.start, seconds)
+
+    def _load_figures(self) -> dict[str, int]:
+        """The load and measured costs the heartbeat carries (for routing): nanoseconds
+        to compute a prompt token (this machine's prefill curve, 512 tokens after 512)
+        and to copy one token's KV (the links' probes)."""
+        if getattr(self, "serving", None) is None:
+            return {}  # a heartbeat while the worker is still starting: nothing measured
+        token_bytes = self.store.layout.page_bytes / self.cache.page_tokens
+        prefill_s = self.profile.seconds(512, 512) / 512
+        figures = {
+            **self.scheduler.load(),
+            "prefill_ns": 1e9 * prefill_s,
+            "copy_ns_same_node": 1e9 * token_bytes / self.links.probe[False].bytes_per_s,
+            "copy_ns_remote": 1e9 * token_bytes / self.links.probe[True].bytes_per_s,
+        }
+        return {name: max(1, round(value)) if value else 0 for name, value in figures.items()}
 
     def clear_cache(self) -> int:
         """Drop every cached page no request holds (a cache reset); the service hears of

@@ -31,7 +31,7 @@ from cache_service.index.registry import (
     Worker,
     WorkerInfo,
 )
-from cache_service.index.routing import choose_worker, live_candidates
+from cache_service.index.routing import WorkerLoad, choose_worker, live_candidates
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.index.walk import walk
 from cache_service.messages import (
@@ -63,7 +63,7 @@ class GlobalIndex:
         page_tokens: tokens per page, the same on every worker.
         liveness_timeout_s: a worker silent (no register/heartbeat) for longer than this
             is dropped by `expire`.
-        load_weight: lambda in the routing score (see `route`).
+        load_weight: the weight of a worker's queue in routing (see `route`).
         max_workers: registrations at once; when full, a newcomer takes the place of the
             least recently seen registration that holds no pages.
         max_tenants: tenant salts with figures of their own (later ones: "(other)").
@@ -77,7 +77,7 @@ class GlobalIndex:
         self,
         page_tokens: int = 16,
         liveness_timeout_s: float = 10.0,
-        load_weight: float = 0.5,
+        load_weight: float = 1.0,
         max_workers: int = 1024,
         max_tenants: int = 256,
         max_spans: int = 16,
@@ -443,10 +443,15 @@ class GlobalIndex:
         return matched, spans
 
     def route(
-        self, namespace: Namespace, tokens: TokenInput, loads: Mapping[str, float]
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        loads: Mapping[str, float],
+        pending: Mapping[str, float] | None = None,
+        reported: Mapping[str, WorkerLoad] | None = None,
     ) -> RouteDecision:
-        """Choose the live worker that should take a prompt, weighing cache against load
-        (the score is `routing.choose_worker`'s).
+        """Choose the live worker that gets a prompt's first token out soonest: what it
+        holds, copies and computes against its queue (`routing.choose_worker`).
 
         Routing is a read: no statistics are counted and no access time changes (the
         chosen worker's own `match` counts the query).
@@ -454,7 +459,11 @@ class GlobalIndex:
         Args:
             namespace: the prompt's namespace.
             tokens: the prompt, as little-endian int32 bytes or a sequence of ints.
-            loads: worker id -> current load (>= 0); unregistered ids are ignored.
+            loads: worker id -> prompt tokens the caller has in flight there (>= 0);
+                unregistered ids are ignored.
+            pending: worker id -> tokens of this prompt it computes for a request in
+                flight (not in the index yet).
+            reported: worker id -> its load and costs from its latest heartbeat.
 
         Returns:
             A RouteDecision; worker_id None ("no_live_worker") when no candidate is live.
@@ -465,13 +474,17 @@ class GlobalIndex:
         """
         self._own()
         data = _checked(namespace, tokens)
-        candidates = live_candidates(loads, self._registry.workers)
+        candidates = live_candidates(loads, self._registry.workers, reported)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
         path = walk(self._nodes, self._nodes.roots.get(namespace), data)
         holdings = self._holders.holdings(path) if path.length else []
         held_tokens = {slot: pages * self.page_tokens for slot, pages, _ in holdings}
-        return choose_worker(candidates, held_tokens, len(data) // 4, self.load_weight)
+        nodes = {slot: self._registry.slots[slot].node_id for slot in held_tokens}
+        pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
+        return choose_worker(
+            candidates, held_tokens, len(data) // 4, self.load_weight, pending, nodes
+        )
 
     # ---- statistics and checks -----------------------------------------------------------
 

@@ -35,6 +35,13 @@ _SCALARS = (
     "pages_in_use",
     "copy_bytes_same_node",
     "copy_bytes_remote",
+    "alignment_lost_tokens",
+    "running",
+    "waiting",
+    "queued_tokens",
+    "prefill_ns",
+    "copy_ns_same_node",
+    "copy_ns_remote",
 )
 _HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
 

@@ -23,7 +23,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # and generations of events travel packed; ReportDead, NameTenant. 4: heartbeats carry the
 # worker's report (its figures, for the service's metrics). 5: REGISTER carries what peers
 # need (shared-memory store name, page server key); GetPeer and GetPeers read it back.
-PROTOCOL_VERSION = 5
+# 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
+# tokens pending on each worker (routing estimates each worker's time to first token).
+PROTOCOL_VERSION = 6
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -159,7 +161,7 @@ MESSAGES: dict[str, MessageSchema] = {
         body(m.MatchResult, f"{MATCH}.reply", matched_tokens=COUNT, spans=SPANS),
     ),
     ROUTE: MessageSchema(
-        body(m.Route, ROUTE, namespace=NAMESPACE, tokens=TOKENS, loads=LOADS),
+        body(m.Route, ROUTE, namespace=NAMESPACE, tokens=TOKENS, loads=LOADS, pending=LOADS),
         body(
             m.RouteDecision,
             f"{ROUTE}.reply",

@@ -38,8 +38,16 @@ COUNTERS = {
     "kvmesh_index_worker_hit_tokens_total",
     "kvmesh_index_tenant_queried_tokens_total",
     "kvmesh_index_tenant_hit_tokens_total",
+    "kvmesh_alignment_lost_tokens_total",
 }
-GAUGES = {"kvmesh_pages", "kvmesh_workers_live", "kvmesh_service_epoch", "kvmesh_index_pages"}
+GAUGES = {
+    "kvmesh_pages",
+    "kvmesh_workers_live",
+    "kvmesh_service_epoch",
+    "kvmesh_index_pages",
+    "kvmesh_num_requests_running",
+    "kvmesh_num_requests_waiting",
+}
 HISTOGRAMS = {"kvmesh_lookup_seconds", "kvmesh_copy_seconds", "kvmesh_ttft_seconds"}
 FAMILIES = COUNTERS | GAUGES | HISTOGRAMS
 UNITS = {"percentunit", "short", "s", "bytes", "Bps", "reqps"}

@@ -31,6 +31,7 @@ from cache_service.index import (
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
 from cache_service.index.key_table import KeyTable
+from cache_service.index.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
 
 P = 4  # tokens per page in these tests
@@ -696,29 +697,46 @@ PROMPT = make_tokens(1, 2, 3, 4)  # 16 tokens
 
 def test_route_prefers_the_worker_holding_most():
     index = make_routing_index()
-    decision = index.route(NS, PROMPT, {"a": 0.5, "b": 0.0, "c": 0.0})
-    assert decision == RouteDecision("a", 12, 12 - 0.5 * 0.5 * 16, "prefix")
+    # a computes 4 tokens (2 ms each by default); b copies 8 from a on its node first
+    # (10 us each), c copies 12: a is soonest.
+    decision = index.route(NS, PROMPT, {"a": 0.0, "b": 0.0, "c": 0.0})
+    assert decision == RouteDecision("a", 12, pytest.approx(2e-3 * 4), "prefix")
     index.check_integrity()
 
 
-def test_route_weighs_load_against_held_tokens():
+def test_route_weighs_the_queue_against_copying():
     index = make_routing_index()
-    # a: 12 - 0.5 * 1.0 * 16 = 4 ties b: 4 - 0 = 4, and b is less loaded.
-    assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.0}) == RouteDecision("b", 4, 4.0, "prefix")
-    # b: 4 - 0.5 * 0.25 * 16 = 2 < a: 4.
-    assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.25}) == RouteDecision("a", 12, 4.0, "prefix")
-    # d is idle and holds nothing: 0 beats a: 12 - 0.5 * 2 * 16 = -4 and b: 4 - 8.
-    assert index.route(NS, PROMPT, {"a": 2.0, "b": 1.0, "d": 0.0}) == RouteDecision(
-        "d", 0, 0.0, "least_loaded"
+    # a has a queued token (weighted 0.5): 2e-3 * 4.5 > b's copy of 8 tokens + its 4.
+    assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.0}) == RouteDecision(
+        "b", 4, pytest.approx(8e-5 + 2e-3 * 4), "prefix"
     )
+    # The queue a reported with its heartbeat counts when it is longer than the front
+    # door's own count.
+    reported = {"a": WorkerLoad(queued_tokens=2)}
+    assert index.route(NS, PROMPT, {"a": 0.0, "b": 0.0}, reported=reported).worker_id == "b"
+    assert index.route(NS, PROMPT, {"a": 0.0, "b": 0.0}).worker_id == "a"
+    # d holds nothing: it copies 12 tokens from a, and wins against a busy a and b.
+    assert index.route(NS, PROMPT, {"a": 20.0, "b": 20.0, "d": 0.0}) == RouteDecision(
+        "d", 0, pytest.approx(1.2e-4 + 2e-3 * 4), "copy"
+    )
+    index.check_integrity()
+
+
+def test_route_counts_a_prefix_pending_on_a_worker():
+    index = make_routing_index()
+    uncached = make_tokens(7, 8, 6)  # 12 tokens nobody has published
+    # d is computing its first 8 tokens for a request in flight.
+    decision = index.route(NS, uncached, {"c": 0.0, "d": 2.0}, pending={"d": 8.0})
+    assert decision == RouteDecision("d", 0, pytest.approx(2e-3 * (0.5 * 2 + 4)), "pending")
+    assert index.route(NS, uncached, {"c": 0.0, "d": 2.0}).worker_id == "c"
     index.check_integrity()
 
 
 def test_route_falls_back_to_the_least_loaded():
     index = make_routing_index()
     uncached = make_tokens(7, 8)
-    assert index.route(NS, uncached, {"a": 0.3, "b": 0.2, "c": 0.9}) == RouteDecision(
-        "b", 0, -0.5 * 0.2 * 8, "least_loaded"
+    assert index.route(NS, uncached, {"a": 30, "b": 20, "c": 90}) == RouteDecision(
+        "b", 0, pytest.approx(2e-3 * (0.5 * 20 + 8)), "least_loaded"
     )
     # Equal load: the smallest worker id.
     assert index.route(NS, uncached, {"d": 0.0, "c": 0.0}).worker_id == "c"

@@ -143,7 +143,7 @@ SAMPLE_REQUESTS = {
     ),
     "resync": Resync("w0", 3, 42, [make_stored(3, 2)]),
     "match": Match(NS, pack_tokens(make_tokens(40)), "w1"),
-    "route": Route(NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}),
+    "route": Route(NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}, {"w0": 32.0}),
     "stats": GetStats(),
     "bye": Bye("w0", 3),
     "report_dead": ReportDead("w0"),
@@ -340,7 +340,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 5  # 5: REGISTER carries peer entries; GetPeer, GetPeers
+    assert PROTOCOL_VERSION == 6  # 6: reports carry load and costs; ROUTE carries pending
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -500,7 +500,11 @@ def reports(draw):
         copy_seconds=draw(observed(message_types.COPY_BUCKETS)),
         ttft_hit=draw(observed(message_types.TTFT_BUCKETS)),
         ttft_miss=draw(observed(message_types.TTFT_BUCKETS)),
+        **{name: draw(counts) for name in LOAD_REPORT_FIELDS},
     )
+
+
+LOAD_REPORT_FIELDS = message_types.WorkerReport._fields[10:]  # alignment, load and costs
 
 
 shm_names = st.just("") | st.builds(
@@ -563,6 +567,7 @@ REQUEST_BODIES = {
         namespace=namespaces,
         tokens=token_ids.map(pack_tokens),
         loads=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
+        pending=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
     ),
     "stats": st.builds(GetStats),
     "bye": st.builds(Bye, worker_id=names, epoch=counts),
@@ -1277,7 +1282,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=2), BAD_VERSION),  # the version before service epochs
         (raw_frame(MATCH, {}, v=3), BAD_VERSION),  # the version before worker reports
         (raw_frame(MATCH, {}, v=4), BAD_VERSION),  # the version before peer entries
-        (raw_frame(MATCH, {}, v=6), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=5), BAD_VERSION),  # the version before load reports
+        (raw_frame(MATCH, {}, v=7), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

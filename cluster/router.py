@@ -1,0 +1,104 @@
+"""What the front door knows of its own requests in flight, for routing the next ones.
+
+The service's index knows the pages workers have published; the workers' heartbeats
+bring their queues a moment late. The front door knows, at once, every request it has
+sent and not yet had back: the prompt tokens each still has to compute (its queue on
+that worker, as `loads` of a ROUTE) and the prompts themselves, so that a prefix being
+computed right now for one request counts as held by the worker computing it when the
+next request for it is routed (`pending`): concurrent requests for one prefix then join
+that worker's batch instead of each computing it somewhere else.
+
+    route(prompt) -> service.route(prompt, loads=InFlight.loads(), pending=InFlight.pending(prompt))
+    add(worker, prompt, tokens it computes)      ... the request runs ...      remove
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from cache_service.events import Namespace
+from cache_service.tokens import pack_tokens
+
+# At most this many requests in flight per worker are compared with a prompt for a
+# pending prefix (the newest ones): a bound on the routing's own work.
+MAX_COMPARED = 64
+
+
+class _Entry(NamedTuple):
+    worker_id: str
+    namespace: Namespace
+    packed: bytes  # the prompt as int32 bytes
+    tokens: int  # prompt tokens it computes (what the worker has yet to do for it)
+
+
+class InFlight:
+    """The requests this front door has in flight, by worker. Thread-safe.
+
+    Args:
+        page_tokens: the index's page size: a pending prefix counts in whole pages, as
+            the index will hold it.
+    """
+
+    def __init__(self, page_tokens: int):
+        self.page_tokens = page_tokens
+        self._entries: dict[int, _Entry] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def add(self, worker_id: str, namespace: Namespace, prompt: Sequence[int], tokens: int) -> int:
+        """A request sent to `worker_id`, computing `tokens` of `prompt`; returns its
+        handle for `remove`."""
+        entry = _Entry(worker_id, namespace, pack_tokens(list(prompt)), max(0, tokens))
+        with self._lock:
+            handle = next(self._ids)
+            self._entries[handle] = entry
+        return handle
+
+    def remove(self, handle: int) -> None:
+        with self._lock:
+            self._entries.pop(handle, None)
+
+    def loads(self, workers: Sequence[str]) -> dict[str, float]:
+        """worker id -> prompt tokens of this front door's requests in flight there."""
+        out = dict.fromkeys(workers, 0.0)
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.worker_id in out:
+                    out[entry.worker_id] += entry.tokens
+        return out
+
+    def pending(self, namespace: Namespace, prompt: Sequence[int]) -> dict[str, float]:
+        """worker id -> the whole pages of `prompt` a request in flight there shares with
+        it from the start (its prefix is being computed, or was just computed, there)."""
+        packed = pack_tokens(list(prompt))
+        step = 4 * self.page_tokens  # bytes of one page of int32 tokens
+        with self._lock:
+            entries = [e for e in self._entries.values() if e.namespace == namespace]
+        out: dict[str, float] = {}
+        for entry in entries[-MAX_COMPARED:]:
+            shared = _common_bytes(entry.packed, packed) // step * self.page_tokens
+            if shared > out.get(entry.worker_id, 0):
+                out[entry.worker_id] = float(shared)
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+def _common_bytes(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of two byte strings (by halving: each
+    comparison is a C-speed slice compare)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low] holds; a[:high] != b[:high]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
