@@ -88,6 +88,17 @@ class WorkerReport(NamedTuple):
     copy_ns_remote: int
 
 
+# The report's load fields: what routing weighs (`cache_service.index.routing`).
+LOAD_FIELDS = (
+    "running",
+    "waiting",
+    "queued_tokens",
+    "prefill_ns",
+    "copy_ns_same_node",
+    "copy_ns_remote",
+)
+
+
 def no_observations(bounds: Sequence[float]) -> Observed:
     return Observed((0,) * (len(bounds) + 1), 0.0)
 
@@ -105,12 +116,7 @@ EMPTY_REPORT = WorkerReport(
     ttft_hit=no_observations(TTFT_BUCKETS),
     ttft_miss=no_observations(TTFT_BUCKETS),
     alignment_lost_tokens=0,
-    running=0,
-    waiting=0,
-    queued_tokens=0,
-    prefill_ns=0,
-    copy_ns_same_node=0,
-    copy_ns_remote=0,
+    **dict.fromkeys(LOAD_FIELDS, 0),
 )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    LOAD_FIELDS,
     TTFT_BUCKETS,
     TenantTokens,
     WorkerReport,
@@ -27,15 +28,6 @@ from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TE
 
 OVERFLOW_SALT = "(other)"  # no tenant salt looks like this (salts are hex digests)
 SOURCES = ("local_hit", "remote_hit", "computed")
-# The report's load fields: what routing weighs.
-LOAD_FIELDS = (
-    "running",
-    "waiting",
-    "queued_tokens",
-    "prefill_ns",
-    "copy_ns_same_node",
-    "copy_ns_remote",
-)
 
 
 class WorkerFigures:

@@ -18,6 +18,7 @@ from typing import Any
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    LOAD_FIELDS,
     TTFT_BUCKETS,
     Observed,
     TenantTokens,
@@ -36,12 +37,7 @@ _SCALARS = (
     "copy_bytes_same_node",
     "copy_bytes_remote",
     "alignment_lost_tokens",
-    "running",
-    "waiting",
-    "queued_tokens",
-    "prefill_ns",
-    "copy_ns_same_node",
-    "copy_ns_remote",
+    *LOAD_FIELDS,
 )
 _HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
 
