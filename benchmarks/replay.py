@@ -54,11 +54,12 @@ Cost on the conversation trace (12,031 requests, 145M prompt tokens, 512-token p
 about 20 s per pass and two passes (the replay, then the infinite cache), ~1 GB peak:
 every cached page is keyed by its 2 KiB of tokens, in a worker's trie and in the index.
 
-Loads for prefix routing: each worker's share of the prefill work (computed tokens) of
-the last `load_window` requests, 0..1, so a worker that took all recent work must hold
-`load_weight` (0.5) of the prompt more than an idle one to win it. Trace timestamps are
-not used: serving speed is not modelled, so outstanding work could not be estimated
-without inventing one.
+Loads for prefix routing: the index's routing weighs each worker's queue in prompt
+tokens against what it would compute and copy (`cache_service.index.routing`). Trace
+timestamps are not used (serving speed is not modelled), so the replay stands in for a
+worker's queue with what it computed over the last `load_window` requests beyond the
+workers' mean: what it would still have to compute, were the workers equally fast and
+fed at the mean rate. Simulated workers share one node: copies cost a memcpy's rate.
 """
 
 from __future__ import annotations
@@ -336,11 +337,11 @@ class _Cluster:
         self._recent = dict.fromkeys(self.worker_ids, 0)
 
     def loads(self) -> dict[str, float]:
-        """Each worker's share of the computed tokens of the last `load_window` requests."""
-        total = sum(self._recent.values())
-        if total == 0:
-            return dict.fromkeys(self.worker_ids, 0.0)
-        return {worker_id: work / total for worker_id, work in self._recent.items()}
+        """Each worker's queue, in prompt tokens, as routing weighs it: what it computed
+        over the last `load_window` requests beyond the workers' mean (what it would still
+        have to compute, were the workers equally fast and fed at the mean rate)."""
+        mean = sum(self._recent.values()) / len(self._recent)
+        return {worker_id: max(0.0, work - mean) for worker_id, work in self._recent.items()}
 
     def serve(
         self, worker_id: str, tokens: np.ndarray, packed: bytes, copy_remote: bool
