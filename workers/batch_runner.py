@@ -77,12 +77,22 @@ class _Member(NamedTuple):
     mask: torch.Tensor  # (q, o * P) bool: the own key slots each query sees (causal)
 
 
+class _Decoders(NamedTuple):
+    """Sequences running one token each (decode steps), attended in one batch: their own
+    pages padded to the longest list (padding masked off)."""
+
+    rows: torch.Tensor  # (m,) long: their rows in the packed batch
+    pages: torch.Tensor  # (m, o) long: each one's own pages, padded with its first
+    mask: torch.Tensor  # (m, o * P) bool: the own key slots each one sees
+
+
 class _Group(NamedTuple):
     """Chunks that read the same first pages (`shared`, None when they share none)."""
 
     shared: torch.Tensor | None  # (s,) long: pages every member reads first
-    rows: torch.Tensor  # (q,) long: all members' rows, in member order
-    members: list[_Member]
+    rows: torch.Tensor  # (q,) long: the members' rows, then the decoders'
+    members: list[_Member]  # chunks of several tokens, one at a time
+    decoders: _Decoders | None  # one-token chunks, together
 
 
 class BatchRunner:
@@ -198,8 +208,10 @@ class BatchRunner:
         kv[write_pages, 1, :, write_slots] = v[0].transpose(0, 1).to(kv.dtype)
         out = torch.empty_like(q)  # (1, H, T, hd)
         for group in groups:
-            if group.shared is None:
-                (member,) = group.members
+            if group.shared is not None:
+                out[0, :, group.rows] = _cascade(q[0, :, group.rows], kv, group, attn.scaling)
+                continue
+            for member in group.members:
                 keys, values = _gather(kv, member.pages, q.dtype)
                 out[:, :, member.rows] = F.scaled_dot_product_attention(
                     q[:, :, member.rows],
@@ -209,15 +221,28 @@ class BatchRunner:
                     scale=attn.scaling,
                     enable_gqa=True,
                 )
-            else:
-                out[0, :, group.rows] = _cascade(q[0, :, group.rows], kv, group, attn.scaling)
+            if group.decoders is not None:
+                d = group.decoders
+                keys, values = _gather_padded(kv, d.pages, q.dtype)  # (m, KVH, o * P, hd)
+                # (1, H, m, hd) -> (m, H, 1, hd): one query each, its own keys
+                mine = q[:, :, d.rows].permute(2, 1, 0, 3)
+                attended = F.scaled_dot_product_attention(
+                    mine,
+                    keys,
+                    values,
+                    attn_mask=d.mask[:, None, None, :],
+                    scale=attn.scaling,
+                    enable_gqa=True,
+                )
+                out[:, :, d.rows] = attended.permute(2, 1, 0, 3)
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
 
     # -- grouping ----------------------------------------------------------------------
 
     def _groups(self, chunks: Sequence[Chunk]) -> list[_Group]:
         """The chunks grouped by their first page, each group with the pages all its
-        members read first (see the module docstring)."""
+        members read first (see the module docstring); one-token chunks of a group are
+        attended together, and so are those that share nothing."""
         p = self.page_tokens
         by_first: dict[int, list[int]] = {}
         for i, chunk in enumerate(chunks):
@@ -226,6 +251,7 @@ class BatchRunner:
         for chunk in chunks:
             offsets.append(offsets[-1] + len(chunk.tokens))
         groups: list[_Group] = []
+        lone_decoders: list[int] = []
         for members in by_first.values():
             shared = _common_pages([self._read(chunks[i]) for i in members])
             # A chunk computing tokens inside the shared pages runs alone.
@@ -236,14 +262,41 @@ class BatchRunner:
             else:
                 alone, members, shared = alone + members, [], 0
             for i in alone:
-                groups.append(
-                    _Group(None, self._rows(offsets, i), [self._member(chunks, offsets, i, 0)])
-                )
+                if len(chunks[i].tokens) == 1:
+                    lone_decoders.append(i)
+                else:
+                    member = self._member(chunks, offsets, i, 0)
+                    groups.append(_Group(None, member.rows, [member], None))
             if members:
-                parts = [self._member(chunks, offsets, i, shared) for i in members]
+                several = [self._member(chunks, offsets, i, shared) for i in members
+                           if len(chunks[i].tokens) > 1]  # fmt: skip
+                decoders = self._decoders(
+                    chunks, offsets, [i for i in members if len(chunks[i].tokens) == 1], shared
+                )
+                rows = [m.rows for m in several] + ([] if decoders is None else [decoders.rows])
                 pages = torch.tensor(list(chunks[members[0]].pages[:shared]), device=self.device)
-                groups.append(_Group(pages, torch.cat([m.rows for m in parts]), parts))
+                groups.append(_Group(pages, torch.cat(rows), several, decoders))
+        decoders = self._decoders(chunks, offsets, lone_decoders, 0)
+        if decoders is not None:
+            groups.append(_Group(None, decoders.rows, [], decoders))
         return groups
+
+    def _decoders(
+        self, chunks: Sequence[Chunk], offsets: list[int], indexes: list[int], shared: int
+    ) -> _Decoders | None:
+        """One-token chunks `indexes`, their own pages after `shared` padded into one
+        batch (None when there are none)."""
+        if not indexes:
+            return None
+        p = self.page_tokens
+        own = [list(self._read(chunks[i])[shared:]) for i in indexes]
+        width = max(len(pages) for pages in own)
+        pages = torch.tensor([o + [o[0]] * (width - len(o)) for o in own], dtype=torch.long)
+        key_pos = torch.arange(shared * p, (shared + width) * p)  # (o * P,)
+        query_pos = torch.tensor([chunks[i].start for i in indexes]).unsqueeze(1)  # (m, 1)
+        mask = key_pos <= query_pos  # also off every padding slot: past each one's end
+        rows = torch.tensor([offsets[i] for i in indexes], dtype=torch.long)
+        return _Decoders(rows.to(self.device), pages.to(self.device), mask.to(self.device))
 
     def _read(self, chunk: Chunk) -> Sequence[int]:
         """The pages a chunk's queries read: those holding [0, end)."""
@@ -282,6 +335,18 @@ def _gather(
     return keys.to(dtype), values.to(dtype)
 
 
+def _gather_padded(
+    kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each row of `pages` `(m, o)`: `(m, KVH, o * P, hd)` each."""
+    m, o = pages.shape
+    heads, page_tokens, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
+    # (m, o, KVH, P, hd) -> (m, KVH, o, P, hd) -> (m, KVH, o * P, hd)
+    keys = kv[pages, 0].permute(0, 2, 1, 3, 4).reshape(m, heads, o * page_tokens, head_dim)
+    values = kv[pages, 1].permute(0, 2, 1, 3, 4).reshape(m, heads, o * page_tokens, head_dim)
+    return keys.to(dtype), values.to(dtype)
+
+
 def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
     """Attention of a group's queries `(H, q, hd)` over its shared pages and each member's
     own pages, merged in one softmax; returns `(H, q, hd)`."""
@@ -293,6 +358,7 @@ def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> 
     # (KVH, rep * q, s * P) -> (KVH, rep, q, s * P): every query against the shared keys
     shared_scores = (grouped @ shared_k.transpose(1, 2) * scale).view(kv_heads, rep, q_len, -1)
     out = torch.empty_like(q).view(kv_heads, rep, q_len, head_dim)
+    shared_v = shared_v.unsqueeze(1)  # (KVH, 1, s * P, hd)
     at = 0
     for member in group.members:
         n = len(member.rows)
@@ -300,12 +366,39 @@ def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> 
         mine = q[:, at : at + n].reshape(kv_heads, rep * n, head_dim)
         own_scores = (mine @ own_k.transpose(1, 2) * scale).view(kv_heads, rep, n, -1)
         own_scores = own_scores.masked_fill(~member.mask, float("-inf"))
-        shared_part = shared_scores[:, :, at : at + n]
-        top = torch.maximum(shared_part.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
-        shared_w, own_w = (shared_part - top).exp(), (own_scores - top).exp()
-        total = shared_w.sum(-1, keepdim=True) + own_w.sum(-1, keepdim=True)
-        # (KVH, rep, n, s*P) @ (KVH, 1, s*P, hd) + the own part, over the softmax's total
-        mixed = shared_w @ shared_v.unsqueeze(1) + own_w @ own_v.unsqueeze(1)
-        out[:, :, at : at + n] = mixed / total
+        out[:, :, at : at + n] = _merged(
+            shared_scores[:, :, at : at + n], shared_v, own_scores, own_v.unsqueeze(1)
+        )
         at += n
+    if group.decoders is not None:
+        d = group.decoders
+        m = len(d.rows)
+        own_k, own_v = _gather_padded(kv, d.pages, q.dtype)  # (m, KVH, o * P, hd)
+        # (KVH, rep, m, hd) x (m, KVH, o*P, hd) -> (KVH, rep, m, o*P): each its own keys
+        mine = q[:, at : at + m].view(kv_heads, rep, m, head_dim)
+        own_scores = torch.einsum("krmd,mksd->krms", mine, own_k) * scale
+        own_scores = own_scores.masked_fill(~d.mask[None, None], float("-inf"))
+        # The own part's values: (KVH, rep, m, o*P) x (m, KVH, o*P, hd) per sequence.
+        out[:, :, at : at + m] = _merged(
+            shared_scores[:, :, at : at + m], shared_v, own_scores, own_v.permute(1, 0, 2, 3)
+        )
     return out.view(heads, q_len, head_dim)
+
+
+def _merged(
+    shared_scores: torch.Tensor,
+    shared_v: torch.Tensor,
+    own_scores: torch.Tensor,
+    own_v: torch.Tensor,
+) -> torch.Tensor:
+    """One softmax over two parts of the keys: scores `(KVH, rep, n, s)` and `(KVH, rep,
+    n, o)`, values `(KVH, 1, s, hd)` and either `(KVH, 1, o, hd)` (one sequence's keys
+    for all n queries) or `(KVH, n, o, hd)` (query i's own keys: a decode batch)."""
+    top = torch.maximum(shared_scores.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
+    shared_w, own_w = (shared_scores - top).exp(), (own_scores - top).exp()
+    total = shared_w.sum(-1, keepdim=True) + own_w.sum(-1, keepdim=True)
+    if own_v.shape[1] == 1:
+        own_part = own_w @ own_v
+    else:  # query i against its own values only
+        own_part = torch.einsum("krns,knsd->krnd", own_w, own_v)
+    return (shared_w @ shared_v + own_part) / total

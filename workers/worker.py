@@ -514,9 +514,10 @@ class Worker:
         return dropped
 
     def flush(self) -> bool:
-        """Publish this worker's pending events now; True when the service is up to date
-        with its cache (False: the service did not answer or refused; a resync follows)."""
-        return self.publisher.sync()
+        """Publish this worker's pending events and its load now; True when the service is
+        up to date with its cache (False: the service did not answer or refused; a resync
+        follows)."""
+        return self.publisher.heartbeat()
 
     def load(self) -> float:
         """Requests running now (what routing weighs against cached tokens)."""

@@ -95,6 +95,16 @@ def test_sequences_sharing_a_prefix_read_its_pages_once_in_a_group(tiny):
         logits = runner.forward(chunks)
         for got, suffix in zip(logits, suffixes, strict=True):
             assert max_diff(got, full_logits(tiny, prefix + suffix)) < 1e-4
+        # A decode step of each (one token): attended together, the prefix still once.
+        steps = [9, 19, 29]
+        for allocation, token in zip(allocations, steps, strict=True):
+            assert allocation.extend([token])
+        chunks = [Chunk(a.pages, [t], 21) for a, t in zip(allocations, steps, strict=True)]
+        (group,) = runner._groups(chunks)
+        assert group.members == [] and len(group.decoders.rows) == 3
+        logits = runner.forward(chunks)
+        for got, suffix, token in zip(logits, suffixes, steps, strict=True):
+            assert max_diff(got, full_logits(tiny, prefix + suffix + [token])) < 1e-4
         for allocation in [first, *allocations]:
             allocation.release()
         rig.check_integrity()
