@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "a worker's batches with same-batch prefix sharing, without it, and one by one",
     "serve": "routing under concurrent load: kvmesh's against round-robin and prefix affinity",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
+    "compaction": "quality against memory freed for StreamingLLM, H2O and SnapKV on real prose",
 }
 
 

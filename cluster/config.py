@@ -7,6 +7,7 @@ maps YAML keys onto fields and rejects any key it does not know, naming it with 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
@@ -18,6 +19,7 @@ import yaml
 
 from cache_service.addresses import check_bind_host
 from cache_service.server import ServerConfig
+from workers.compaction import CompactionConfig
 from workers.costs import POLICIES
 from workers.models import DTYPES, model_shape
 from workers.page_store import StoreLayout
@@ -211,6 +213,16 @@ class KvmeshConfig:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+
+    def __post_init__(self) -> None:
+        per_layer = self.compaction.budget
+        layers = model_shape(self.model.name).num_layers
+        if isinstance(per_layer, tuple) and len(per_layer) != layers:
+            raise ConfigError(
+                f"compaction.budget has {len(per_layer)} per-layer values; "
+                f"{self.model.name} has {layers} layers"
+            )
 
     def server_config(self) -> ServerConfig:
         """The service's server settings these sections describe (hosts unresolved:
@@ -311,6 +323,12 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     for kind in allowed:
         if kind is type(None) and value is None:
             return None
+        origin = typing.get_origin(kind)
+        if origin in (dict, collections.abc.Mapping) and isinstance(value, dict):
+            return dict(value)  # free-form settings (a policy's params): its own checks
+        if origin is tuple and isinstance(value, list | tuple):
+            item = typing.get_args(kind)[0]
+            return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
         if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if kind in (int, str, bool) and type(value) is kind:

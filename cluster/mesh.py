@@ -119,6 +119,7 @@ class WorkerActor(Worker):
     (where its placement-group bundle landed) fills in `node_id` and `host`."""
 
     def __init__(self, settings: dict[str, Any]):
+        from workers.compaction import CompactionConfig
         from workers.prefix_cache import PrefixCacheConfig
         from workers.scheduler import SchedulerConfig
 
@@ -126,6 +127,8 @@ class WorkerActor(Worker):
         settings["cache"] = PrefixCacheConfig(**settings["cache"])
         if "scheduler" in settings:
             settings["scheduler"] = SchedulerConfig(**settings["scheduler"])
+        if "compaction" in settings:
+            settings["compaction"] = CompactionConfig(**settings["compaction"])
         if settings.get("keypair") is not None:
             settings["keypair"] = KeyPair(*settings["keypair"])
         settings["page_peers"] = frozenset(settings.get("page_peers", ()))
@@ -256,6 +259,7 @@ class Mesh:
                     "dtype": cfg.model.dtype,
                     "copy_policy": cfg.workers.copy_policy,
                     "scheduler": dataclasses.asdict(cfg.workers.scheduler()),
+                    "compaction": dataclasses.asdict(cfg.compaction),
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
                     "threads": cfg.workers.threads,

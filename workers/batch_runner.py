@@ -29,6 +29,11 @@ queries ever being scored against another's keys:
 A sequence that computes tokens inside the shared pages themselves (the one whose prefill
 fills them) runs alone, as does any sequence sharing nothing.
 
+A chunk that carries a `KvState` (a sequence tracked for compaction, or compacted) runs
+alone through the state's own attention (`workers.compaction.kv_state`): its pages after
+the trie pages may hold per-head packed survivors, and its attention weights feed the
+compaction policy's scores.
+
 Pages written here must be the caller's own (private, not yet published): no peer holds an
 expected generation for them until they are published, so they are written without a
 generation bump, as `workers.model_runner` does.
@@ -49,6 +54,8 @@ from workers.page_store import SharedPageStore
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from workers.compaction.kv_state import KvState, Reads
+
 
 class Chunk(NamedTuple):
     """Run `tokens` of one sequence at positions [start, start + len(tokens)).
@@ -58,11 +65,14 @@ class Chunk(NamedTuple):
             [0, start + len(tokens)), and hold the KV of [0, start) already.
         tokens: the chunk's token ids.
         start: the position of `tokens[0]`.
+        kv: the sequence's compaction state, when it is tracked or compacted (its pages
+            are then laid out as the state says, not one slot per position).
     """
 
     pages: Sequence[int]
     tokens: Sequence[int]
     start: int
+    kv: KvState | None = None
 
     @property
     def end(self) -> int:
@@ -123,11 +133,18 @@ class BatchRunner:
         self.tokens_run = 0  # tokens those passes ran through the model
         self._lock = threading.Lock()
 
-    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+    def forward(
+        self, chunks: Sequence[Chunk], all_logits: bool = False
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Run every chunk in one forward pass; their KV is then in their pages.
 
+        Args:
+            chunks: what to run.
+            all_logits: return the logits after every token (teacher-forced evaluation).
+
         Returns:
-            `(len(chunks), vocab)` float32: the logits after each chunk's last token.
+            `(len(chunks), vocab)` float32: the logits after each chunk's last token; with
+            `all_logits`, one `(len(chunk.tokens), vocab)` tensor per chunk.
 
         Raises:
             ValueError: no chunks, an empty chunk, or too few pages for a chunk.
@@ -138,7 +155,7 @@ class BatchRunner:
         for i, chunk in enumerate(chunks):
             if not chunk.tokens:
                 raise ValueError(f"chunk {i} has no tokens")
-            if chunk.start < 0 or len(chunk.pages) * p < chunk.end:
+            if chunk.start < 0 or _capacity(chunk, p) < chunk.end:
                 raise ValueError(
                     f"chunk {i}: tokens [{chunk.start}, {chunk.end}) need "
                     f"{-(-chunk.end // p)} pages of {p}, got {len(chunk.pages)}"
@@ -146,25 +163,36 @@ class BatchRunner:
         with self._lock, torch.inference_mode():
             self.calls += 1
             self.tokens_run += sum(len(c.tokens) for c in chunks)
-            return self._forward(chunks)
+            logits = self._forward(chunks, all_logits)
+            if not all_logits:
+                return logits
+            sizes = [len(c.tokens) for c in chunks]
+            return list(logits.split(sizes))
 
     # -- the pass ----------------------------------------------------------------------
 
-    def _forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        inner, p = self.model.model, self.page_tokens
+    def _forward(self, chunks: Sequence[Chunk], all_logits: bool) -> torch.Tensor:
+        inner = self.model.model
         ids = torch.tensor([t for c in chunks for t in c.tokens], device=self.device)
         positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(self.device)
         # Where each new token's K and V go: (page, slot) of its position in its sequence.
-        write_pages = torch.tensor(
-            [c.pages[pos // p] for c in chunks for pos in range(c.start, c.end)],
-            device=self.device,
-        )
-        write_slots = positions % p
+        pages_and_slots = [self._write_targets(c) for c in chunks]
+        write_pages = torch.tensor([x for ps, _ in pages_and_slots for x in ps], device=self.device)
+        write_slots = torch.tensor([x for _, ss in pages_and_slots for x in ss], device=self.device)
         groups = self._groups(chunks)
-        last = torch.tensor(
-            [sum(len(c.tokens) for c in chunks[: i + 1]) - 1 for i in range(len(chunks))],
-            device=self.device,
-        )
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + len(chunk.tokens))
+        own_path = []  # (state, rows, reads) of chunks that attend through their KvState
+        for i, chunk in enumerate(chunks):
+            if chunk.kv is not None:
+                chunk.kv.begin(len(chunk.tokens), chunk.end)
+                reads = chunk.kv.reads(chunk.pages, chunk.start, chunk.end, self.device)
+                own_path.append((chunk.kv, self._rows(offsets, i), reads))
+        if all_logits:
+            last = torch.arange(offsets[-1], device=self.device)
+        else:
+            last = torch.tensor(offsets[1:], device=self.device) - 1
 
         hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, T, D)
         cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))  # (1, T, hd) each
@@ -180,6 +208,7 @@ class BatchRunner:
                 write_pages,
                 write_slots,
                 groups,
+                (pages, layer_index, own_path),
             )
             hidden = residual + attention
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -195,9 +224,11 @@ class BatchRunner:
         write_pages: torch.Tensor,
         write_slots: torch.Tensor,
         groups: list[_Group],
+        own_path: tuple[torch.Tensor, int, list[tuple[KvState, torch.Tensor, Reads]]],
     ) -> torch.Tensor:
         """One layer's attention for the packed batch `x` (1, T, D); `kv` is the layer's
-        slice of every page, (N, 2, kv_heads, P, hd)."""
+        slice of every page, (N, 2, kv_heads, P, hd); `own_path` is every page, the layer's
+        index and the chunks that attend through their KvState."""
         t, head_dim = x.shape[1], attn.head_dim
         q = attn.q_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, H, T, hd)
         k = attn.k_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, KVH, T, hd)
@@ -235,6 +266,11 @@ class BatchRunner:
                     enable_gqa=True,
                 )
                 out[:, :, d.rows] = attended.permute(2, 1, 0, 3)
+        pages, layer_index, states = own_path
+        for state, rows, reads in states:
+            out[0, :, rows] = state.attend(
+                q[0, :, rows], kv, pages, layer_index, reads, attn.scaling
+            )
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
 
     # -- grouping ----------------------------------------------------------------------
@@ -246,7 +282,8 @@ class BatchRunner:
         p = self.page_tokens
         by_first: dict[int, list[int]] = {}
         for i, chunk in enumerate(chunks):
-            by_first.setdefault(chunk.pages[0], []).append(i)
+            if chunk.kv is None:  # the others attend through their KvState
+                by_first.setdefault(chunk.pages[0], []).append(i)
         offsets = [0]
         for chunk in chunks:
             offsets.append(offsets[-1] + len(chunk.tokens))
@@ -298,6 +335,14 @@ class BatchRunner:
         rows = torch.tensor([offsets[i] for i in indexes], dtype=torch.long)
         return _Decoders(rows.to(self.device), pages.to(self.device), mask.to(self.device))
 
+    def _write_targets(self, chunk: Chunk) -> tuple[list[int], list[int]]:
+        """(page, slot) of each of the chunk's tokens."""
+        if chunk.kv is not None:
+            return chunk.kv.write_targets(chunk.pages, chunk.start, chunk.end)
+        p = self.page_tokens
+        positions = range(chunk.start, chunk.end)
+        return [chunk.pages[pos // p] for pos in positions], [pos % p for pos in positions]
+
     def _read(self, chunk: Chunk) -> Sequence[int]:
         """The pages a chunk's queries read: those holding [0, end)."""
         return chunk.pages[: -(-chunk.end // self.page_tokens)]
@@ -314,6 +359,13 @@ class BatchRunner:
         mask = (key_pos <= query_pos).to(self.device)  # (q, o * P)
         pages = torch.tensor(list(own), dtype=torch.long, device=self.device)
         return _Member(self._rows(offsets, i), pages, mask)
+
+
+def _capacity(chunk: Chunk, page_tokens: int) -> int:
+    """Positions a chunk's pages cover: [0, capacity)."""
+    if chunk.kv is None:
+        return len(chunk.pages) * page_tokens
+    return chunk.kv.tail_start + len(chunk.kv.tail_pages(chunk.pages)) * page_tokens
 
 
 def _common_pages(page_lists: Sequence[Sequence[int]]) -> int:

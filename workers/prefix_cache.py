@@ -109,6 +109,7 @@ class CacheStats:
     allocated_pages: int = 0  # taken from the allocator (new KV, copies, decode slots)
     published_pages: int = 0
     aborted_pages: int = 0  # pending pages dropped because their request never published
+    compacted_pages_freed: int = 0  # private pages compaction returned to the free list
     evictions: dict[str, int] = field(default_factory=dict)  # reason -> pages
 
     def as_dict(self) -> dict[str, object]:
@@ -243,6 +244,15 @@ class BatchEntry(NamedTuple):
     depends_on: tuple[int, ...]
 
 
+class Compacted(NamedTuple):
+    """An allocation's private part after compaction: `segment_pages` pages after its trie
+    pages hold the compacted KV of tokens before `tail_start`; tokens from `tail_start`
+    on are in the pages after them, one slot each."""
+
+    segment_pages: int
+    tail_start: int
+
+
 class Allocation:
     """A request's pages: cached prefix pages it references plus pages it computes into.
 
@@ -265,6 +275,7 @@ class Allocation:
         "cached_tokens",
         "prompt_tokens",
         "_chain_broken",
+        "compacted",
         "released",
     )
 
@@ -295,6 +306,8 @@ class Allocation:
         # the pages after it stay private (they cannot hang under someone else's pending
         # page, which may be dropped).
         self._chain_broken = chain_broken
+        # Set by `free_and_reallocate`: the private part holds a compacted segment.
+        self.compacted: Compacted | None = None
         self.released = False
 
     @property
@@ -302,8 +315,27 @@ class Allocation:
         return len(self.tokens)
 
     @property
+    def held_pages(self) -> int:
+        """Its first pages that are trie pages (shared with other requests, or pending
+        publication): never compacted, never written by anyone but their computer."""
+        return self._held
+
+    @property
     def capacity(self) -> int:
-        return len(self.pages) * self._cache.page_tokens
+        """Token positions its pages cover: [0, capacity)."""
+        p = self._cache.page_tokens
+        if self.compacted is None:
+            return len(self.pages) * p
+        tail_pages = len(self.pages) - self._held - self.compacted.segment_pages
+        return self.compacted.tail_start + tail_pages * p
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages it needs to hold tokens [0, n_tokens)."""
+        p = self._cache.page_tokens
+        if self.compacted is None:
+            return _pages_for(n_tokens, p)
+        fixed = self._held + self.compacted.segment_pages
+        return fixed + _pages_for(max(0, n_tokens - self.compacted.tail_start), p)
 
     @property
     def private_pages(self) -> list[int]:
@@ -342,8 +374,7 @@ class Allocation:
             self._check_live()
             new_tokens = _as_token_list(new_tokens)
             packed = pack_tokens(new_tokens)
-            needed = _pages_for(len(self.tokens) + len(new_tokens), self._cache.page_tokens)
-            grow = needed - len(self.pages)
+            grow = self.pages_for(len(self.tokens) + len(new_tokens)) - len(self.pages)
             if grow > 0:
                 pages = self._cache._allocate(grow, pinned=())
                 if pages is None:
@@ -352,6 +383,43 @@ class Allocation:
             self.tokens.extend(new_tokens)
             self._packed += packed
             return True
+
+    def free_and_reallocate(self, keep_pages: int, tail_start: int) -> list[int]:
+        """Compaction packed the KV of every private token before `tail_start` into the
+        first `keep_pages` private pages (a segment whose layout the compactor keeps);
+        the other private pages return to the store's free list now, and tokens from
+        `tail_start` on are written to pages appended after the segment.
+
+        The allocation is private from then on: nothing past its trie pages is ever
+        published (its pages no longer hold one token's KV per slot).
+
+        Returns:
+            The pages freed (the free count grew by exactly their number).
+        Raises:
+            ValueError: `keep_pages` outside [0, private pages], or `tail_start` before the
+                trie pages' end or past the allocation's tokens.
+            RuntimeError: the allocation was released.
+        """
+        with self._cache._lock:
+            self._check_live()
+            private = self.private_pages
+            if not 0 <= keep_pages <= len(private):
+                raise ValueError(
+                    f"cannot keep {keep_pages} of an allocation's {len(private)} private pages"
+                )
+            start = self._held * self._cache.page_tokens
+            if not start <= tail_start <= len(self.tokens):
+                raise ValueError(
+                    f"tail_start {tail_start} outside [{start}, {len(self.tokens)}]: the "
+                    f"trie pages end at {start}, the tokens at {len(self.tokens)}"
+                )
+            freed = private[keep_pages:]
+            del self.pages[self._held + keep_pages :]
+            self._chain_broken = True
+            self.compacted = Compacted(keep_pages, tail_start)
+            self._cache._allocator.free(freed)
+            self._cache._stats.compacted_pages_freed += len(freed)
+            return freed
 
     def release(self) -> None:
         """Drop this allocation's references; published pages stay cached until evicted.
@@ -414,7 +482,11 @@ class PrefixCache:
     # ------------------------------------------------------------------ public API
 
     def acquire(
-        self, tokens: Sequence[int], namespace: Namespace, extra_token_slots: int = 0
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        extra_token_slots: int = 0,
+        private: bool = False,
     ) -> Allocation | None:
         """Match the longest cached prefix of `tokens` and allocate pages for the rest.
 
@@ -426,6 +498,8 @@ class PrefixCache:
             tokens: the prompt's token ids (at least one).
             namespace: the key root (model, adapter, tenant salt).
             extra_token_slots: slots to reserve beyond the prompt for decode.
+            private: the pages it computes are never published (a sequence that will be
+                compacted: `free_and_reallocate`); the prefix it matches is still reused.
         Returns:
             The allocation, or None when not enough pages are free even after evicting
             every unreferenced page (nothing is then held).
@@ -440,7 +514,7 @@ class PrefixCache:
         packed = pack_tokens(prompt)  # outside the lock: other requests' threads go on
         # A batch of one, without the batch's lists: the request path of a worker.
         with self._lock:
-            entry = self._acquire_one(prompt, packed, namespace, extra_token_slots, {}, 0)
+            entry = self._acquire_one(prompt, packed, namespace, extra_token_slots, {}, 0, private)
             return None if entry is None else entry.allocation
 
     def acquire_batch(
@@ -566,6 +640,12 @@ class PrefixCache:
             )
             return out
 
+    def pages_referenced(self) -> int:
+        """Pages live allocations hold (referenced trie pages and private pages): what no
+        eviction can free."""
+        with self._lock:
+            return self._allocator.num_pages - self._allocator.num_free - self._num_evictable
+
     @property
     def num_cached_pages(self) -> int:
         """Pages in the trie that no allocation references (free to evict)."""
@@ -581,6 +661,7 @@ class PrefixCache:
         extra_slots: int,
         owners: dict[_Run, int],
         index: int,
+        private: bool = False,
     ) -> BatchEntry | None:
         p = self.page_tokens
         n = len(tokens)
@@ -619,10 +700,10 @@ class PrefixCache:
 
         tail = path[-1] if path else None
         held = full_ref
-        chain_broken = False
+        chain_broken = private  # a private allocation's pages never enter the trie
         own = n // p - full_ref  # own full prompt pages: they enter the trie pending
         parent = tail if tail is not None else self._root(namespace)
-        if own > 0:
+        if own > 0 and not private:
             start = full_ref * self._step
             head = packed[start : start + self._step]
             if parent.child(head) is not None:
@@ -735,6 +816,8 @@ class PrefixCache:
     def _publish(self, allocation: Allocation, n_tokens: int) -> int:
         p, step = self.page_tokens, self._step
         limit = n_tokens // p
+        if allocation.compacted is not None:
+            limit = min(limit, allocation._held)  # compacted pages are never shareable
         if not self.config.publish_decode_pages:
             limit = min(limit, allocation.prompt_tokens // p)
         # Held pages not yet published end the held chain (none hangs under a pending

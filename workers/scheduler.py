@@ -19,6 +19,11 @@ wait for it (`Sequence.ready`) and then compute only their own suffixes. Pages a
 published as soon as a prefill chunk has written them, so a request arriving a step
 later finds them cached instead of computing them again.
 
+With compaction configured (`workers.compaction`), every step first checks the store:
+once the pages held by running sequences pass the high-water mark, the longest sequences
+in decode are compacted by the configured policy (their private pages packed, the rest
+freed) until the share is back under it, before anything would be preempted.
+
 Decode takes one more page whenever a sequence crosses a page boundary. When none is left
 even after eviction, the newest running sequence is preempted: its pages are released
 (private ones freed) and it waits to be admitted again, its prompt and the tokens it
@@ -28,6 +33,7 @@ cannot grow with nothing else running finishes with "out_of_pages".
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -36,8 +42,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from workers.batch_runner import Chunk
+from workers.compaction import Compactor
 from workers.prefix_cache import PrefixCache
 from workers.sequence import Phase, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class CacheFull(RuntimeError):
@@ -93,6 +102,8 @@ class Scheduler:
         on_admit: called with each sequence at its first admission, its hits known.
         on_finish: called with each sequence that finished or failed, after its pages
             were published and released.
+        compactor: compacts running sequences under pressure (None, or one without a
+            policy: never).
     """
 
     def __init__(
@@ -102,8 +113,10 @@ class Scheduler:
         copy_in: Callable[[Sequence], int] | None = None,
         on_admit: Callable[[Sequence], None] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
+        compactor: Compactor | None = None,
     ):
         self.cache = cache
+        self.compactor = compactor if compactor is not None and compactor.enabled else None
         self.config = config or SchedulerConfig()
         self._copy_in = copy_in
         self._on_admit = on_admit
@@ -114,6 +127,8 @@ class Scheduler:
         self._arrived = threading.Condition(self._lock)
         self.preemptions = 0
         self.steps = 0
+        self.compactions = 0
+        self.compacted_pages_freed = 0
 
     # -- from any thread ---------------------------------------------------------------
 
@@ -156,12 +171,15 @@ class Scheduler:
     def schedule(self) -> Step:
         """The next forward pass (empty when nothing can run now)."""
         self.steps += 1
+        self._compact_under_pressure()
         step = Step([], [])
         budget = self.config.max_batch_tokens
         for seq in [s for s in self.running if s.phase is Phase.DECODE]:
             if seq.phase is Phase.DECODE and self._grow(seq, step):
                 step.sequences.append(seq)
-                step.chunks.append(Chunk(seq.allocation.pages, seq.tokens[-1:], seq.computed))
+                step.chunks.append(
+                    Chunk(seq.allocation.pages, seq.tokens[-1:], seq.computed, _kv(seq))
+                )
                 budget -= 1
         budget = self._prefill(step, budget)
         while budget > 0 and len(self.running) < self.config.max_running:
@@ -204,6 +222,8 @@ class Scheduler:
             assert seq.phase in (Phase.PREFILL, Phase.DECODE), f"{seq.seq_id} runs as {seq.phase}"
             assert seq.allocation is not None and not seq.allocation.released
             assert 0 <= seq.computed <= len(seq.tokens), (seq.computed, len(seq.tokens))
+            if seq.kv is not None:
+                seq.kv.check_integrity(seq.allocation.pages, seq.allocation.num_tokens)
         with self._lock:
             for group in self._waiting:
                 for seq in group:
@@ -225,10 +245,41 @@ class Scheduler:
             end = min(end, seq.computed + budget)
             step.sequences.append(seq)
             step.chunks.append(
-                Chunk(seq.allocation.pages, seq.tokens[seq.computed : end], seq.computed)
+                Chunk(seq.allocation.pages, seq.tokens[seq.computed : end], seq.computed, _kv(seq))
             )
             budget -= end - seq.computed
         return budget
+
+    def _compact_under_pressure(self) -> None:
+        """Compact the longest sequences in decode while the pages running sequences hold
+        are past the high-water mark (see the module docstring)."""
+        compactor = self.compactor
+        if compactor is None:
+            return
+        config = compactor.config
+        total = self.cache.stats()["total_pages"]
+        if self.cache.pages_referenced() <= config.high_water * total:
+            return
+        candidates = [
+            seq
+            for seq in self.running
+            if seq.phase is Phase.DECODE
+            and seq.kv is not None
+            and seq.computed == len(seq.tokens)
+            and seq.computed - seq.kv.tail_start >= config.min_tokens
+        ]
+        for seq in sorted(candidates, key=lambda s: (-len(s.tokens), s.seq_id)):
+            result = compactor.compact(seq.allocation, seq.kv)
+            self.compactions += 1
+            self.compacted_pages_freed += result.pages_freed
+            seq.compacted_pages_freed += result.pages_freed
+            log.info(
+                "compacted sequence %d (%d tokens, %s): %d of %d pages freed",
+                seq.seq_id, len(seq.tokens), config.policy, result.pages_freed,
+                result.pages_before,
+            )  # fmt: skip
+            if self.cache.pages_referenced() <= config.high_water * total:
+                break
 
     def _grow(self, seq: Sequence, step: Step) -> bool:
         """A page slot for the sequence's newest token, preempting the newest running
@@ -255,6 +306,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.allocation.release()
         seq.allocation = None
+        seq.kv = None  # compacted or not, it is computed anew, whole
         seq.phase = Phase.WAITING
         seq.depends_on = []
         seq.computed = 0
@@ -322,6 +374,8 @@ class Scheduler:
 
     def _start(self, seq: Sequence, allocation, compute_from: int, deps: list[Sequence]) -> None:
         seq.allocation = allocation
+        if self.compactor is not None:
+            seq.kv = self.compactor.track(allocation)
         seq.phase = Phase.PREFILL
         seq.depends_on = deps
         seq.ready_from = compute_from if deps else 0
@@ -353,6 +407,7 @@ class Scheduler:
             if seq in other.depends_on and not other.ready:
                 self._preempt(other)  # the pages it waited for will never be computed
         allocation, seq.allocation = seq.allocation, None
+        seq.kv = None
         if allocation is not None:
             try:
                 if seq.reuse and seq.error is None:
@@ -362,6 +417,11 @@ class Scheduler:
         if self._on_finish is not None:
             self._on_finish(seq)
         seq.done.set()
+
+
+def _kv(seq: Sequence):
+    """The compaction state a chunk of `seq` carries: only when its attention needs it."""
+    return seq.kv if seq.kv is not None and seq.kv.needs_own_path else None
 
 
 def dep_start(seq: Sequence, dep: Sequence) -> int:

@@ -26,6 +26,7 @@ from cache_service.events import Namespace
 from workers.sampling import Sampler
 
 if TYPE_CHECKING:
+    from workers.compaction import KvState
     from workers.prefix_cache import Allocation
 
 
@@ -66,6 +67,7 @@ class Sequence:
 
     phase: Phase = Phase.WAITING
     allocation: Allocation | None = None
+    kv: KvState | None = None  # its layout and scores, when the worker compacts
     computed: int = 0  # tokens of `tokens` whose KV is in the pages
     # Prefill waits until every sequence in `depends_on` has computed this far: they
     # compute the pages before it (a batch plan's shared prefix).
@@ -77,6 +79,7 @@ class Sequence:
     batch_shared: int = 0  # prompt tokens a sibling of its batch computed for it
     recomputed: int = 0  # tokens computed again after preemptions
     preemptions: int = 0
+    compacted_pages_freed: int = 0
     admitted_at: float | None = None  # first admission
     first_token_at: float | None = None
     copy_s: float = 0.0

@@ -39,6 +39,7 @@ from cache_service.events import Namespace
 from workers import models
 from workers.batch_runner import BatchRunner
 from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
+from workers.compaction import CompactionConfig, Compactor
 from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.costs import (
     PROFILE_FILE,
@@ -108,6 +109,8 @@ class WorkerSettings:
     copy_policy: str = "measured"
     # How the worker batches the requests it serves at once.
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Compaction of running sequences under memory pressure (off by default).
+    compaction: CompactionConfig = CompactionConfig()
 
 
 class _Request(NamedTuple):
@@ -204,12 +207,14 @@ class Worker:
         self.last_decision: Decision | None = None
         # Requests queue in the scheduler; one serving thread runs the model on batches.
         self.batch_runner = BatchRunner(model, self.store)
+        self.compactor = Compactor(self.store, settings.compaction)
         self.scheduler = Scheduler(
             self.cache,
             settings.scheduler,
             copy_in=self._copy_in_sequence,
             on_admit=self._admitted,
             on_finish=self._finished,
+            compactor=self.compactor,
         )
         self._seq_ids = itertools.count()
         self.serving = ServingLoop(
@@ -449,6 +454,7 @@ class Worker:
                 "batch_shared_tokens": seq.batch_shared,
                 "recomputed_tokens": seq.recomputed,
                 "preemptions": seq.preemptions,
+                "compacted_pages_freed": seq.compacted_pages_freed,
                 # From arrival at this worker: time queued included.
                 "ttft_s": seq.first_token_at - seq.arrived,
                 "queue_s": seq.admitted_at - seq.arrived,
@@ -539,6 +545,9 @@ class Worker:
                 **self.scheduler.load(),
                 "steps": self.scheduler.steps,
                 "preemptions": self.scheduler.preemptions,
+                "compaction_policy": self.settings.compaction.policy,
+                "compactions": self.scheduler.compactions,
+                "compacted_pages_freed": self.scheduler.compacted_pages_freed,
                 "forward_calls": self.batch_runner.calls,
                 "forward_tokens": self.batch_runner.tokens_run,
             },

@@ -29,7 +29,8 @@ def test_empty_mapping_gives_defaults():
         ({"cache": {"page_tokn": 16}}, "unknown key 'cache.page_tokn'"),
         (
             {"modle": {}},
-            "unknown key 'modle'; known: cache, model, security, service, store, workers",
+            "unknown key 'modle'; known: cache, compaction, model, security, service, store, "
+            "workers",
         ),
         ({"cache": {"page_tokens": "16"}}, "cache.page_tokens must be int, got '16'"),
         ({"cache": {"page_tokens": True}}, "cache.page_tokens must be int"),
@@ -42,6 +43,11 @@ def test_empty_mapping_gives_defaults():
         ({"model": {"dtype": "int8"}}, "model.dtype must be one of float32, bfloat16"),
         ({"store": {"device": "cuda"}}, "store.device 'cuda' is not supported"),
         ({"model": []}, "model must be a mapping, got list"),
+        ({"compaction": {"policy": "lru"}}, "unknown compaction policy 'lru'; known: none, h2o"),
+        ({"compaction": {"policy": "h2o", "params": {"recnt": 1}}}, "takes no parameter recnt"),
+        ({"compaction": {"policy": "h2o", "budget": "half"}}, "compaction.budget must be"),
+        ({"compaction": {"budget": [0.5, 0.5]}}, "2 per-layer values; smollm2-135m has 30"),
+        ({"compaction": {"high_water": 1.5}}, "high_water must be in"),
         ([], "config must be a mapping"),
     ],
 )
@@ -66,3 +72,24 @@ def test_a_metrics_port_beyond_loopback_needs_a_token():
         config_from_dict({"service": {"metrics_host": "0.0.0.0", "metrics_token": "t"}})
     served = config_from_dict({"service": {"metrics_host": "node", "metrics_token": "t"}})
     assert served.service.metrics_host == "node"
+
+
+def test_compaction_section_reaches_its_typed_config():
+    config = config_from_dict(
+        {
+            "compaction": {
+                "policy": "snapkv",
+                "params": {"adaptive": True, "kernel": 5},
+                "budget": [0.5] * 15 + [0.25] * 15,
+                "high_water": 0.8,
+            }
+        }
+    )
+    compaction = config.compaction
+    assert (compaction.policy, dict(compaction.params)) == (
+        "snapkv",
+        {"adaptive": True, "kernel": 5},
+    )
+    assert compaction.budget == (0.5,) * 15 + (0.25,) * 15 and compaction.high_water == 0.8
+    assert config_from_dict({"compaction": {"budget": 64}}).compaction.budget == 64
+    assert load_config(ROOT / "configs" / "local.yaml").compaction.policy == "none"

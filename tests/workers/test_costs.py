@@ -213,10 +213,10 @@ def test_the_worker_recomputes_over_a_slow_link_and_copies_over_a_fast_one(servi
         a.generate(PROMPT, 2)
         assert a.flush()
 
-        # b's link to a is slowed to 2 ms a page: 500 ms for the prefix, against a prefill
-        # of 1001 tokens of ~50-100 ms. The first copy trusts the memcpy probe and
-        # copies; its real time teaches b the link is slow.
-        b.sources.throttle("a", 0.002)
+        # b's link to a is slowed to 4 ms a page: a second for the prefix, against a
+        # prefill of 1001 tokens of ~100-300 ms (a busy 2-core machine). The first copy
+        # trusts the memcpy probe and copies; its real time teaches b the link is slow.
+        b.sources.throttle("a", 0.004)
         slow_copy = b.generate(PROMPT, 2)
         assert slow_copy["stats"]["remote_hit_tokens"] == 1000
         assert b.stats()["copy"]["decisions"] == {"copy cheaper": 1}

@@ -15,6 +15,7 @@ import torch
 
 from tests.workers.model_fixtures import NS, make_prompt, max_diff
 from workers.batch_runner import BatchRunner
+from workers.compaction import CompactionConfig, Compactor
 from workers.model_runner import store_layout_for, tiny_llama
 from workers.page_store import SharedPageStore
 from workers.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -51,14 +52,26 @@ class Serving(NamedTuple):
 
 
 @contextmanager
-def serving(model, pages: int = 96, chunk_tokens: int = 0, **config) -> Iterator[Serving]:
+def serving(
+    model,
+    pages: int = 96,
+    chunk_tokens: int = 0,
+    compaction: CompactionConfig | None = None,
+    **config,
+) -> Iterator[Serving]:
     store = SharedPageStore.create(store_layout_for(model, pages, P), tag="sched")
     loop = None
     try:
         cache = PrefixCache(store, PrefixCacheConfig(page_tokens=P, chunk_tokens=chunk_tokens))
-        scheduler = Scheduler(cache, SchedulerConfig(**config))
+        compactor = None if compaction is None else Compactor(store, compaction)
+        scheduler = Scheduler(cache, SchedulerConfig(**config), compactor=compactor)
         runner = BatchRunner(model, store)
-        loop = ServingLoop(runner, scheduler)
+
+        def check(step, seconds) -> None:  # every pass: compacted layouts stay whole
+            scheduler.check_integrity()
+            cache.check_integrity()
+
+        loop = ServingLoop(runner, scheduler, on_pass=check if compactor else None)
         yield Serving(loop, scheduler, runner, cache, store)
     finally:
         if loop is not None:
@@ -201,3 +214,33 @@ def test_a_request_that_cannot_fit_alone_fails_and_the_rest_go_on(tiny):
         (done,) = s.run([small])
         assert len(done.output) == 2
         s.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o", "snapkv"])
+def test_under_pressure_the_longest_sequences_are_compacted_instead_of_preempted(tiny, policy):
+    prompts = [make_prompt(8, seed=40 + i) for i in range(3)]
+    # The preemption case above: 3 sequences of 8 + 24 tokens in 14 pages. Past 70% of
+    # the store, each keeps 4 decoded tokens per head (one page of lanes) every 4 tokens,
+    # and all three run to the end.
+    compaction = CompactionConfig(policy=policy, budget=4, high_water=0.7, min_tokens=4, window=4)
+    with serving(tiny, pages=14, compaction=compaction) as s:
+        batch = s.run([seq(p, 24) for p in prompts])
+        assert s.scheduler.preemptions == 0
+        assert s.scheduler.compactions >= 3 and s.scheduler.compacted_pages_freed >= 6
+        assert sum(d.compacted_pages_freed for d in batch) == s.scheduler.compacted_pages_freed
+        assert all(d.finish_reason == "length" and len(d.output) == 24 for d in batch)
+        assert s.cache.stats()["compacted_pages_freed"] == s.scheduler.compacted_pages_freed
+        # Nothing compacted was published: the cache holds the prompts' full pages only.
+        assert s.cache.num_cached_pages == 3 * 2
+        s.check_integrity()
+
+
+def test_compaction_that_keeps_everything_changes_no_token(tiny):
+    prompts = [make_prompt(8, seed=20 + i) for i in range(3)]
+    compaction = CompactionConfig(policy="h2o", budget=1.0, high_water=0.5, min_tokens=4)
+    with serving(tiny, pages=40, compaction=compaction) as s:
+        batch = s.run([seq(p, 24) for p in prompts])
+        assert s.scheduler.compactions >= 3
+        s.check_integrity()
+    for done, prompt in zip(batch, prompts, strict=True):
+        assert done.output == alone(tiny, prompt, 24)[0]
