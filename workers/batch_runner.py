@@ -243,7 +243,7 @@ class BatchRunner:
                 out[0, :, group.rows] = _cascade(q[0, :, group.rows], kv, group, attn.scaling)
                 continue
             for member in group.members:
-                keys, values = _gather(kv, member.pages, q.dtype)
+                keys, values = gather_pages(kv, member.pages, q.dtype)
                 out[:, :, member.rows] = F.scaled_dot_product_attention(
                     q[:, :, member.rows],
                     keys.unsqueeze(0),
@@ -377,7 +377,7 @@ def _common_pages(page_lists: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def _gather(
+def gather_pages(
     kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of `pages` in page order: `(KVH, len(pages) * P, hd)` each."""
@@ -405,7 +405,7 @@ def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> 
     heads, q_len, head_dim = q.shape
     kv_heads = kv.shape[2]
     rep = heads // kv_heads
-    shared_k, shared_v = _gather(kv, group.shared, q.dtype)  # (KVH, s * P, hd)
+    shared_k, shared_v = gather_pages(kv, group.shared, q.dtype)  # (KVH, s * P, hd)
     grouped = q.view(kv_heads, rep * q_len, head_dim)  # query heads of one KV head together
     # (KVH, rep * q, s * P) -> (KVH, rep, q, s * P): every query against the shared keys
     shared_scores = (grouped @ shared_k.transpose(1, 2) * scale).view(kv_heads, rep, q_len, -1)
@@ -414,7 +414,7 @@ def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> 
     at = 0
     for member in group.members:
         n = len(member.rows)
-        own_k, own_v = _gather(kv, member.pages, q.dtype)  # (KVH, o * P, hd)
+        own_k, own_v = gather_pages(kv, member.pages, q.dtype)  # (KVH, o * P, hd)
         mine = q[:, at : at + n].reshape(kv_heads, rep * n, head_dim)
         own_scores = (mine @ own_k.transpose(1, 2) * scale).view(kv_heads, rep, n, -1)
         own_scores = own_scores.masked_fill(~member.mask, float("-inf"))

@@ -117,6 +117,7 @@ class Scheduler:
     ):
         self.cache = cache
         self.compactor = compactor if compactor is not None and compactor.enabled else None
+        self._total_pages = cache.stats()["total_pages"]
         self.config = config or SchedulerConfig()
         self._copy_in = copy_in
         self._on_admit = on_admit
@@ -257,8 +258,8 @@ class Scheduler:
         if compactor is None:
             return
         config = compactor.config
-        total = self.cache.stats()["total_pages"]
-        if self.cache.pages_referenced() <= config.high_water * total:
+        limit = config.high_water * self._total_pages
+        if self.cache.pages_referenced() <= limit:
             return
         candidates = [
             seq
@@ -278,7 +279,7 @@ class Scheduler:
                 seq.seq_id, len(seq.tokens), config.policy, result.pages_freed,
                 result.pages_before,
             )  # fmt: skip
-            if self.cache.pages_referenced() <= config.high_water * total:
+            if self.cache.pages_referenced() <= limit:
                 break
 
     def _grow(self, seq: Sequence, step: Step) -> bool:

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from workers.batch_runner import gather_pages
 from workers.compaction.policies import SCORES, Candidates
 
 __all__ = ["SCORES", "KvState", "Reads", "Segment"]
@@ -75,6 +76,7 @@ class Reads(NamedTuple):
     tail: torch.Tensor  # (t,) long: tail pages
     tail_len: int  # tail tokens read: [tail_start, tail_start + tail_len)
     tail_mask: torch.Tensor  # (q, tail_len) bool: causal
+    segment_valid: torch.Tensor | None  # (L, KVH, S) bool: the segment's filled slots
     window_rows: int  # the chunk's last queries that count as the observation window
 
 
@@ -168,6 +170,7 @@ class KvState:
             torch.tensor(tail, dtype=torch.long, device=device),
             tail_len,
             tail_mask.to(device),
+            None if self.segment is None else self.segment.valid().to(device),
             min(end - start, self.window),
         )
 
@@ -224,13 +227,11 @@ class KvState:
         heads, n_q, head_dim = q.shape
         kv_heads = kv.shape[2]
         rep = heads // kv_heads
-        keys, values = [], []
-        for part in (kv[reads.dense], kv[reads.tail]):  # (n, 2, KVH, P, hd)
-            flat = part.permute(1, 2, 0, 3, 4).reshape(2, kv_heads, -1, head_dim)
-            keys.append(flat[0])
-            values.append(flat[1])
-        keys[1], values[1] = keys[1][:, : reads.tail_len], values[1][:, : reads.tail_len]
-        d = keys[0].shape[1]
+        dense_k, dense_v = gather_pages(kv, reads.dense, q.dtype)  # (KVH, d * P, hd)
+        tail_k, tail_v = gather_pages(kv, reads.tail, q.dtype)
+        keys = [dense_k, tail_k[:, : reads.tail_len]]
+        values = [dense_v, tail_v[:, : reads.tail_len]]
+        d = dense_k.shape[1]
         masks = [reads.dense_mask.expand(kv_heads, -1, -1)]
         if self.segment is not None:
             seg = self.segment
@@ -239,8 +240,7 @@ class KvState:
             lanes = lanes.permute(2, 0, 1, 3, 4).reshape(2, kv_heads, -1, head_dim)
             keys.insert(1, lanes[0])
             values.insert(1, lanes[1])
-            valid = seg.valid()[layer].to(q.device)  # (KVH, S)
-            masks.append(valid.unsqueeze(1).expand(-1, n_q, -1))
+            masks.append(reads.segment_valid[layer].unsqueeze(1).expand(-1, n_q, -1))
         masks.append(reads.tail_mask.expand(kv_heads, -1, -1))
         keys_all = torch.cat(keys, dim=1).to(q.dtype)  # (KVH, C, hd)
         values_all = torch.cat(values, dim=1).to(q.dtype)
@@ -291,12 +291,11 @@ class KvState:
         index = torch.arange(n).expand(L, H, -1)
         order = torch.where(valid, index, index + n).argsort(dim=2)
         accumulated, window = self.scores(n)
-        take = lambda t: t.gather(2, order)  # noqa: E731 - one use, reads as a name
         candidates = Candidates(
-            positions=take(positions),
-            valid=take(valid),
-            accumulated=take(accumulated),
-            window=take(window),
+            positions=positions.gather(2, order),
+            valid=valid.gather(2, order),
+            accumulated=accumulated.gather(2, order),
+            window=window.gather(2, order),
             window_queries=self.window_queries(),
             next_position=length,
         )
