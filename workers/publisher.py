@@ -148,7 +148,7 @@ class EventPublisher:
         self._thread.start()
 
     def nudge(self) -> None:
-        """New events are waiting: the publisher's thread sends them now, with a
+        """New events are waiting: the publisher's thread sends them now, then a
         heartbeat (without the caller waiting for it)."""
         self._wake.set()
 
@@ -166,8 +166,8 @@ class EventPublisher:
                 log.info("worker %s: bye not delivered (%s)", self.worker_id, exc)
 
     def _run(self, interval_s: float, tick: Callable[[], None] | None) -> None:
-        """Heartbeat (which syncs) and tick every `interval_s`; heartbeat at once when
-        nudged."""
+        """Heartbeat (which syncs) and tick every `interval_s`; sync and heartbeat at once
+        when nudged."""
         next_beat = time.monotonic() + interval_s
         while True:
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
@@ -178,9 +178,10 @@ class EventPublisher:
                 steps = (self.heartbeat, tick)
                 next_beat = time.monotonic() + interval_s
             else:
-                # Nudged (a request finished): the events, and the load as it is now, so
-                # routing does not weigh a queue that is already gone.
-                steps = (self.heartbeat,)
+                # Nudged (a request finished): its events first (the next request for its
+                # prompt should find them), then the load as it is now, so routing does not
+                # weigh a queue that is already gone.
+                steps = (self.sync, self.heartbeat)
             for step in steps:
                 if step is None:
                     continue

@@ -231,6 +231,7 @@ def test_stats_of_the_owner(owner):
     before = owner.stats()
     prompt = [(7 * i + 5) % 250 for i in range(40)]  # 40 tokens: two pages and 8 tokens
     cold = owner.generate(prompt, NEW_TOKENS, tenant="globex", worker="w1")
+    owner.flush()  # the index has the cold request's pages (published after it answered)
     warm = owner.generate(prompt, NEW_TOKENS, tenant="globex", worker="w1")
     assert cold.stats["computed_tokens"] == 40
     assert warm.stats["local_hit_tokens"] == 32  # two full pages; the rest is not shared
@@ -293,7 +294,7 @@ def test_stats_of_the_owner(owner):
 
     # Tenants by name, never by salt. globex asked the index twice, 40 tokens each: cold,
     # nothing was cached; warm, after w1 had published the pages of the cold request
-    # (a worker publishes before it answers), its own two pages. Each time the 8 tokens
+    # (flushed above), its own two pages. Each time the 8 tokens
     # past the last full page are lost to page alignment.
     assert "globex" in stats["tenants"] and "acme" in stats["tenants"]
     assert owner.salt("globex") not in stats["tenants"]
