@@ -3,8 +3,8 @@ and one request at a time.
 
 Sixteen requests share a 1,024-token system prompt nobody has cached, each with a
 64-token question of its own, and ask for 32 new tokens (greedy), SmolLM2-135M on the
-CPU. They are served by the worker's own serving components (`workers.scheduler`,
-`workers.serving`, `workers.batch_runner` over a shared-memory page store and the local
+CPU. They are served by the worker's own serving components (`workers.serving.scheduler`,
+`workers.serving.loop`, `workers.serving.batch_runner` over a shared-memory page store and the local
 prefix cache: what a worker runs, without the service around it), each run from an
 empty cache:
 
@@ -33,14 +33,14 @@ from typing import Any
 import torch
 
 from cache_service.events import Namespace
-from workers.batch_runner import BatchRunner
-from workers.model_runner import load_smollm2, store_layout_for
-from workers.page_store import SharedPageStore
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.sampling import Sampler
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence
-from workers.serving import ServingLoop
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.serving.batch_runner import BatchRunner
+from workers.serving.loop import ServingLoop
+from workers.serving.model_runner import load_smollm2, store_layout_for
+from workers.serving.sampling import Sampler
+from workers.serving.scheduler import Scheduler, SchedulerConfig
+from workers.serving.sequence import Sequence
+from workers.store.page_store import SharedPageStore
 
 REQUESTS = 16
 PREFIX_TOKENS = 1024

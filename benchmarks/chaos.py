@@ -81,7 +81,7 @@ from cache_service.events import Namespace
 from cache_service.messages import ApplyResult, GetStats, Match, PublishEvents
 from cache_service.protocol import PROTOCOL_VERSION
 from cluster.config import config_from_dict
-from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
+from workers.service.client import ServiceClient, ServiceUnavailable, ray_resolver
 
 DEFAULT_SECONDS = 50.0
 SECONDS_ENV = "KVMESH_CHAOS_SECONDS"  # the default duration, for short runs (tests)

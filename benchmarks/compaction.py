@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from cache_service.events import Namespace
-from workers.batch_runner import BatchRunner, Chunk
-from workers.compaction import Compactor, KvState, make_compaction_policy
-from workers.compaction.kv_state import SCORES
-from workers.model_runner import load_smollm2, store_layout_for
-from workers.page_store import SharedPageStore
-from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.serving.batch_runner import BatchRunner, Chunk
+from workers.serving.compaction import Compactor, KvState, make_compaction_policy
+from workers.serving.compaction.kv_state import SCORES
+from workers.serving.model_runner import load_smollm2, store_layout_for
+from workers.store.page_store import SharedPageStore
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TEXT_SOURCE = "GPL-3 from Debian's base-files (/usr/share/common-licenses/GPL-3)"

@@ -25,7 +25,7 @@ import time
 import torch
 
 from cache_service.auth import KeyPair
-from workers.page_store import SharedPageStore, StoreLayout
+from workers.store.page_store import SharedPageStore, StoreLayout
 from workers.transfer import PageClient, PageServer, RawZmqPipe, TransferAuth, copy_from_peer
 
 TOTAL_BYTES = 256 << 20

@@ -18,8 +18,8 @@ import sys
 import time
 
 from cache_service.events import Namespace
-from workers.page_store import SharedPageStore, StoreLayout
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.store.page_store import SharedPageStore, StoreLayout
 
 PAGE_TOKENS = 16
 REQUESTS = 64

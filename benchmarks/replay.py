@@ -79,8 +79,8 @@ import numpy as np
 from cache_service.events import Namespace
 from cache_service.index import GlobalIndex
 from cache_service.tokens import pack_tokens
-from workers.page_pool import PagePool
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.store.page_pool import PagePool
 
 TRACE_BLOCK_TOKENS = 512  # a Mooncake hash id covers 512 tokens
 VOCAB = 49_152  # SmolLM2's vocabulary size

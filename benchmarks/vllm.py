@@ -56,18 +56,18 @@ def vllm_python(log=sys.stderr) -> Path:
 
 def model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder: the main venv's dequantised model cache."""
-    from workers.model_runner import default_cache_dir, load_smollm2
+    from workers.serving.model_runner import default_cache_dir, load_smollm2
 
     load_smollm2()  # builds the folder the first time (~30 s), else only checks it
     return default_cache_dir()
 
 
 class EngineProcess:
-    """One vLLM engine in its own process, driven by JSON lines (`workers.vllm_engine`).
+    """One vLLM engine in its own process, driven by JSON lines (`workers.engines.vllm_engine`).
 
     Args:
         name: a label for logs.
-        args: `workers.vllm_engine` options (e.g. `["--kvmesh", "vllm-a", ...]`).
+        args: `workers.engines.vllm_engine` options (e.g. `["--kvmesh", "vllm-a", ...]`).
         log_path: where the engine's stderr goes.
         python: the vLLM venv's interpreter (found, or built, when None).
         wrapper: a command the engine runs under (e.g. `ip netns exec HOST`).
@@ -89,7 +89,7 @@ class EngineProcess:
         env.pop("PYTHONPATH", None)  # the vLLM venv has kvmesh installed (editable)
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
-            [*wrapper, str(python or vllm_python()), "-m", "workers.vllm_engine", *args],
+            [*wrapper, str(python or vllm_python()), "-m", "workers.engines.vllm_engine", *args],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
@@ -192,7 +192,7 @@ def count_mismatches(got: list[int], expected: list[int]) -> int:
 def kvmesh_engine(
     folder: Path, ray_address: str, engine_id: str, node_ip_address: str | None = None
 ) -> list[str]:
-    """`workers.vllm_engine` options of an engine with kvmesh's connector."""
+    """`workers.engines.vllm_engine` options of an engine with kvmesh's connector."""
     node = [] if node_ip_address is None else ["--node-ip-address", node_ip_address]
     return ["--model", str(folder), "--ray-address", ray_address, "--kvmesh", engine_id, *node]
 
@@ -203,7 +203,7 @@ def start_engines(
     wrappers: Mapping[str, Sequence[str]] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, EngineProcess]:
-    """Engines started together (name -> `workers.vllm_engine` options), once all are ready.
+    """Engines started together (name -> `workers.engines.vllm_engine` options), once all are ready.
 
     Args:
         logs: a folder for each engine's log.

@@ -19,13 +19,13 @@ import yaml
 
 from cache_service.addresses import check_bind_host
 from cache_service.server import ServerConfig
-from workers.compaction import CompactionConfig
-from workers.costs import POLICIES
-from workers.models import DTYPES, model_shape
-from workers.page_store import StoreLayout
-from workers.prefix_cache import PrefixCacheConfig
-from workers.scheduler import SchedulerConfig
+from workers.cache.prefix_cache import PrefixCacheConfig
+from workers.serving.compaction import CompactionConfig
+from workers.serving.models import DTYPES, model_shape
+from workers.serving.scheduler import SchedulerConfig
+from workers.store.page_store import StoreLayout
 from workers.transfer import ENCRYPT_PAGES_DEFAULT
+from workers.transfer.costs import POLICIES
 
 
 class ConfigError(ValueError):
@@ -42,7 +42,7 @@ def _check_host(host: str, key: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """The model whose KV the pages hold. Its shape (layers, KV heads, head dim) is the
-    model's own (`workers.models.KNOWN_MODELS`), never configured: it fixes the page
+    model's own (`workers.serving.models.KNOWN_MODELS`), never configured: it fixes the page
     layout, and the page store takes the model's dtype."""
 
     name: str = "smollm2-135m"
@@ -101,12 +101,12 @@ class WorkersConfig:
     # restart is a new incarnation with a fresh, empty store. 0: a dead worker stays dead
     # and the others take its requests.
     max_restarts: int = 0
-    # Copy a prefix cached on peers, or recompute it (`workers.costs.POLICIES`):
+    # Copy a prefix cached on peers, or recompute it (`workers.transfer.costs.POLICIES`):
     # "measured" weighs both per request from this machine's measured prefill and link
     # speeds; "always" / "never" force one (tests of the copy path use "always": a tiny
     # model computes faster than any copy).
     copy_policy: str = "measured"
-    # Batching (`workers.scheduler`): sequences running at once, tokens one forward pass
+    # Batching (`workers.serving.scheduler`): sequences running at once, tokens one forward pass
     # takes, a prompt's tokens per pass (0: as many as the pass has room for), and
     # whether requests arriving together compute a prefix they share once.
     max_running: int = 32

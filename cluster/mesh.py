@@ -59,10 +59,10 @@ from cluster.roster import Roster
 from cluster.router import InFlight
 from cluster.status import summarize
 from cluster.streams import TokenStream, chat_prompt
-from workers.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
-from workers.models import model_shape
-from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
-from workers.sampling import SamplingParams
+from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
+from workers.serving.models import model_shape
+from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
+from workers.serving.sampling import SamplingParams
 from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -119,9 +119,9 @@ class WorkerActor(Worker):
     (where its placement-group bundle landed) fills in `node_id` and `host`."""
 
     def __init__(self, settings: dict[str, Any]):
-        from workers.compaction import CompactionConfig
-        from workers.prefix_cache import PrefixCacheConfig
-        from workers.scheduler import SchedulerConfig
+        from workers.cache.prefix_cache import PrefixCacheConfig
+        from workers.serving.compaction import CompactionConfig
+        from workers.serving.scheduler import SchedulerConfig
 
         settings = dict(settings)
         settings["cache"] = PrefixCacheConfig(**settings["cache"])
@@ -258,7 +258,7 @@ class Mesh:
                     "model": cfg.model.name,
                     "dtype": cfg.model.dtype,
                     "copy_policy": cfg.workers.copy_policy,
-                    "scheduler": dataclasses.asdict(cfg.workers.scheduler()),
+                    "scheduler": dataclasses.asdict(cfg.workers.serving.scheduler()),
                     "compaction": dataclasses.asdict(cfg.compaction),
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
@@ -693,7 +693,7 @@ class Mesh:
         # ray.kill returns before the process exits; a dead owner's segments can only be
         # told from a live one's after that.
         _await_exit(self._local_pids, EXIT_TIMEOUT_S)
-        from workers.page_store import reclaim_dead_segments
+        from workers.store.page_store import reclaim_dead_segments
 
         reclaim_dead_segments()
         if self._started_ray:
@@ -775,7 +775,7 @@ def _prepare_model(name: str, log) -> Any:
     worker at the same time) and return its tokenizer (None for the tiny test model)."""
     if name == "tiny":
         return None
-    from workers.model_runner import default_cache_dir, load_smollm2
+    from workers.serving.model_runner import default_cache_dir, load_smollm2
 
     if not default_cache_dir().exists():
         print("preparing the model (first run: dequantising, ~20 s)...", file=log)

@@ -1,14 +1,14 @@
 """The worker: one per GPU or CPU slot, serving generations over its own and its peers' KV.
 
 A request's path through a worker (see also docs/structure.md). It is queued in the
-worker's scheduler (`workers.scheduler`), and the serving thread (`workers.serving`)
+worker's scheduler (`workers.serving.scheduler`), and the serving thread (`workers.serving.loop`)
 runs it in batched forward passes with the other requests in flight; on admission:
 
 1. tokens -> `PrefixCache.acquire` (`acquire_batch` for requests sent together): the
    longest prefix this worker holds, pinned; pages for the rest.
 2. If more of the prompt is cached elsewhere, ask the service (`match`), plan which
-   holder gives which pages (`workers.copy_in`), and copy them in when that beats
-   recomputing them (`workers.costs`): straight out of the holder's shared memory on the
+   holder gives which pages (`workers.transfer.copy_in`), and copy them in when that beats
+   recomputing them (`workers.transfer.costs`): straight out of the holder's shared memory on the
    same node, from its page server across nodes; the holders are copied from at once.
    Each copied page is validated; the first page that fails ends the copied prefix, and
    everything after it is recomputed.
@@ -36,12 +36,30 @@ import torch
 
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
-from workers import models
-from workers.batch_runner import BatchRunner
-from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
-from workers.compaction import CompactionConfig, Compactor
-from workers.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
-from workers.costs import (
+from workers.serving import models
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
+from workers.service.figures import WorkerFigures
+from workers.service.publisher import EventPublisher
+from workers.serving.batch_runner import BatchRunner
+from workers.serving.compaction import CompactionConfig, Compactor
+from workers.serving.loop import ServingLoop
+from workers.serving.model_runner import (
+    ModelRunner,
+    default_cache_dir,
+    eos_token_ids,
+    store_layout_for,
+)
+from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
+from workers.serving.sampling import Sampler, SamplingParams
+from workers.serving.scheduler import CacheFull, Scheduler, SchedulerConfig, Step
+from workers.serving.sequence import Phase
+from workers.serving.sequence import Sequence as Seq
+from workers.store.digests import page_digests
+from workers.store.page_store import SharedPageStore, reclaim_dead_segments, worker_tag
+from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
+from workers.transfer.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
+from workers.transfer.costs import (
     PROFILE_FILE,
     CopyCosts,
     Decision,
@@ -52,24 +70,6 @@ from workers.costs import (
     policy,
     timed_prefill,
 )
-from workers.digests import page_digests
-from workers.figures import WorkerFigures
-from workers.model_runner import (
-    ModelRunner,
-    default_cache_dir,
-    eos_token_ids,
-    store_layout_for,
-)
-from workers.page_store import SharedPageStore, reclaim_dead_segments, worker_tag
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.publisher import EventPublisher
-from workers.requests import check_max_new_tokens, check_tokens, prompt_tokens
-from workers.sampling import Sampler, SamplingParams
-from workers.scheduler import CacheFull, Scheduler, SchedulerConfig, Step
-from workers.sequence import Phase
-from workers.sequence import Sequence as Seq
-from workers.serving import ServingLoop
-from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class WorkerSettings:
     worker_id: str
     node_id: str
     host: str  # this node's address, for the page server
-    model: str  # a name of workers.models.KNOWN_MODELS ("tiny": random weights, for tests)
+    model: str  # a name of workers.serving.models.KNOWN_MODELS ("tiny": random weights, for tests)
     num_pages: int
     cache: PrefixCacheConfig
     threads: int = 1
@@ -103,8 +103,8 @@ class WorkerSettings:
     page_peers: frozenset[bytes] = frozenset()
     mesh_secret: bytes = b""
     encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
-    dtype: str = "float32"  # the model's weights and KV pages (workers.models.DTYPES)
-    # Copy or recompute a request's pages cached on peers (`workers.costs.POLICIES`):
+    dtype: str = "float32"  # the model's weights and KV pages (workers.serving.models.DTYPES)
+    # Copy or recompute a request's pages cached on peers (`workers.transfer.costs.POLICIES`):
     # "measured" weighs both by this machine's measurements; "always" / "never" force one.
     copy_policy: str = "measured"
     # How the worker batches the requests it serves at once.
@@ -688,6 +688,6 @@ class Worker:
 
 
 def _ray_resolver():
-    from workers.client import ray_resolver
+    from workers.service.client import ray_resolver
 
     return ray_resolver()

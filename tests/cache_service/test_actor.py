@@ -17,10 +17,10 @@ from cache_service.actor import (
 from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace
 from cache_service.server import ServerConfig
-from workers.client import ServiceClient, ServiceUnavailable, ray_resolver
-from workers.page_pool import PagePool
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.publisher import EventPublisher
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.service.client import ServiceClient, ServiceUnavailable, ray_resolver
+from workers.service.publisher import EventPublisher
+from workers.store.page_pool import PagePool
 
 pytestmark = pytest.mark.slow
 NS = Namespace("m")

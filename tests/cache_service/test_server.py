@@ -18,10 +18,10 @@ from cache_service.events import Namespace
 from cache_service.index import OwnerError
 from cache_service.messages import GetStats, PeerEntry, StatsReply
 from cache_service.server import ServerConfig, make_server
-from workers.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
-from workers.page_pool import PagePool
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.publisher import EventPublisher
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
+from workers.service.publisher import EventPublisher
+from workers.store.page_pool import PagePool
 
 NS = Namespace("m", salt="t1")
 P = 4

@@ -303,7 +303,7 @@ CUT_DRIVER = """\
 import json, sys, time
 import cluster
 from cache_service.events import Namespace
-from workers.client import ServiceClient, ray_resolver
+from workers.service.client import ServiceClient, ray_resolver
 
 mesh = cluster.connect(address=sys.argv[1])
 on = {node["address"]: node["workers"] for node in mesh.stats()["nodes"].values()}

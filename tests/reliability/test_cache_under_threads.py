@@ -44,8 +44,8 @@ from collections import deque
 import pytest
 
 from cache_service.events import Namespace, PagesRemoved
-from workers.page_pool import PagePool
-from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.store.page_pool import PagePool
 
 pytestmark = pytest.mark.slow
 

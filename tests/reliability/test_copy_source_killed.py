@@ -20,7 +20,7 @@ import cluster
 from cluster.config import config_from_dict
 from tests.reliability.killing_relay import KillingRelay
 from tests.waiting import wait_until
-from workers.page_client import PageClient
+from workers.transfer.page_client import PageClient
 
 pytestmark = pytest.mark.slow
 

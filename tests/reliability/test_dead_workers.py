@@ -20,7 +20,7 @@ import cluster
 from cache_service.events import Namespace
 from cluster.config import config_from_dict
 from tests.waiting import wait_until
-from workers.client import ServiceClient, ray_resolver
+from workers.service.client import ServiceClient, ray_resolver
 
 pytestmark = pytest.mark.slow
 

@@ -42,10 +42,10 @@ from cache_service.events import Namespace
 from cache_service.index import MatchResult
 from cache_service.server import ServerConfig, make_server
 from tests.reliability.lossy_proxy import FaultCounts, LossyProxy
-from workers.client import ServiceClient, ServiceEndpoint
-from workers.page_pool import PagePool
-from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
-from workers.publisher import EventPublisher
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.service.client import ServiceClient, ServiceEndpoint
+from workers.service.publisher import EventPublisher
+from workers.store.page_pool import PagePool
 
 pytestmark = pytest.mark.slow
 

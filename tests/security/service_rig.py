@@ -6,10 +6,10 @@ from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace, PagesStored
 from cache_service.protocol import DEFAULT_LIMITS, Limits
 from cache_service.server import ServerConfig, make_server
-from workers.client import ServiceClient, ServiceEndpoint
-from workers.page_pool import PagePool
-from workers.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.publisher import EventPublisher
+from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.service.client import ServiceClient, ServiceEndpoint
+from workers.service.publisher import EventPublisher
+from workers.store.page_pool import PagePool
 
 P = 4
 NS = Namespace("m", salt="salt-of-tenant-a")

@@ -17,7 +17,7 @@ from cache_service.events import Namespace
 from cache_service.index import GlobalIndex
 from cache_service.messages import StatsReply
 from tests.security.service_rig import NS, P, ServiceRig, serve
-from workers.client import ServiceError
+from workers.service.client import ServiceError
 
 PROMPT = list(range(13))
 

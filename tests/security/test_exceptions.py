@@ -21,17 +21,17 @@ from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
 from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
-from workers.client import ServiceError, ServiceSkipped, ServiceUnavailable
-from workers.model_runner import LayoutMismatchError, ModelNotFoundError
-from workers.page_store import (
+from workers.service.client import ServiceError, ServiceSkipped, ServiceUnavailable
+from workers.serving.loop import ServingStopped
+from workers.serving.model_runner import LayoutMismatchError, ModelNotFoundError
+from workers.store.page_store import (
     NotOwnerError,
     PageStoreError,
     SegmentFormatError,
     SegmentNotFoundError,
 )
-from workers.page_wire import PeerGone, Refused, ReplyTimeout
-from workers.serving import ServingStopped
 from workers.transfer import TransferError
+from workers.transfer.page_wire import PeerGone, Refused, ReplyTimeout
 from workers.worker import CacheFull
 
 SAMPLES = [
@@ -72,7 +72,7 @@ def test_an_exception_pickles_with_its_message_and_fields(error, fields):
 
 
 # Modules that import an optional extra, read only where it is installed (the vLLM venv).
-NEEDS_EXTRA = {"workers.vllm_connector": "vllm"}
+NEEDS_EXTRA = {"workers.engines.vllm_connector": "vllm"}
 
 
 def public_exceptions() -> set[type]:

@@ -13,7 +13,7 @@ import pytest
 from cache_service.auth import KeyPair
 from cache_service.events import AllCleared, Namespace
 from tests.security.service_rig import NS, serve
-from workers.client import ServiceClient, ServiceError, ServiceUnavailable
+from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable
 
 PROMPT = list(range(13))  # 3 full pages of 4
 

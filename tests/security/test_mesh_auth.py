@@ -16,8 +16,8 @@ import cluster
 from cache_service.actor import get_service
 from cluster.config import config_from_dict
 from tests.service_restart import restart_service
-from workers.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
-from workers.page_store import SharedPageStore
+from workers.service.client import ServiceClient, ServiceEndpoint, ServiceUnavailable
+from workers.store.page_store import SharedPageStore
 from workers.transfer import PageClient
 
 PROMPT = [(5 * i + 1) % 250 for i in range(23)]

@@ -7,7 +7,7 @@ import ray
 import cluster
 from cache_service.actor import get_service
 from tests.security.test_mesh_auth import PROMPT, tiny_config
-from workers.client import ServiceClient, ServiceEndpoint
+from workers.service.client import ServiceClient, ServiceEndpoint
 
 
 def test_authentication_can_be_switched_off(ray_local):

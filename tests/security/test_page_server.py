@@ -21,7 +21,7 @@ import zmq
 
 from cache_service.auth import KeyPair
 from cache_service.zap import LateKeys
-from workers.page_store import SharedPageStore, StoreLayout
+from workers.store.page_store import SharedPageStore, StoreLayout
 from workers.transfer import TRANSFER_VERSION, PageClient, PageServer, TransferAuth
 
 # Pages of 64 KiB: a few hundred queued for a reader that never reads fill any socket buffer.

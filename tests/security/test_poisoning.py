@@ -19,9 +19,9 @@ import cluster
 from cache_service.actor import get_service
 from cache_service.events import Namespace, PagesStored
 from cluster.config import config_from_dict
-from workers.client import ServiceClient, ServiceEndpoint
-from workers.digests import DIGEST_BYTES, page_digests
-from workers.page_store import NotOwnerError, SharedPageStore, StoreLayout
+from workers.service.client import ServiceClient, ServiceEndpoint
+from workers.store.digests import DIGEST_BYTES, page_digests
+from workers.store.page_store import NotOwnerError, SharedPageStore, StoreLayout
 from workers.transfer import PageClient, PageServer, copy_from_peer
 
 LAYOUT = StoreLayout(num_pages=12, num_layers=2, num_kv_heads=2, page_tokens=4, head_dim=8)
@@ -103,7 +103,7 @@ def test_a_copy_is_used_only_where_the_digest_matches(stores, path):
 
 
 def test_the_prefix_cache_records_digests_at_publish():
-    from workers.prefix_cache import PrefixCache, PrefixCacheConfig
+    from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 
     holder = SharedPageStore.create(LAYOUT, tag="cached")  # the cache owns all its pages
     cache = PrefixCache(holder, PrefixCacheConfig(page_tokens=4))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cache_service.events import Namespace
-from workers.page_pool import PagePool
-from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.store.page_pool import PagePool
 
 NS = Namespace("test-model")
 PAGE = 4

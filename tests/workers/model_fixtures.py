@@ -11,9 +11,9 @@ import torch
 from transformers import DynamicCache
 
 from cache_service.events import Namespace
-from workers.model_runner import ModelRunner, PrefillResult, store_layout_for
-from workers.page_store import SharedPageStore
-from workers.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.serving.model_runner import ModelRunner, PrefillResult, store_layout_for
+from workers.store.page_store import SharedPageStore
 
 NS = Namespace("tiny-llama")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
-from workers.model_runner import tiny_llama
-from workers.prefix_cache import PrefixCacheConfig
+from workers.cache.prefix_cache import PrefixCacheConfig
+from workers.serving.model_runner import tiny_llama
 from workers.worker import CacheFull, Worker, WorkerSettings
 
 P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)

@@ -1,0 +1,220 @@
+"""Copy-in: the planner's split of a match among holders, and the executor over real
+stores (one holder attached as same node, one over a real page server at once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_service.messages import HolderSpan
+from workers.store.page_store import SharedPageStore, StoreLayout
+from workers.transfer import PageServer
+from workers.transfer.copy_in import (
+    CopyExecutor,
+    CopyPlan,
+    CopyTask,
+    PageServerSource,
+    PeerInfo,
+    SharedMemorySource,
+    Sources,
+    plan_copy,
+)
+from workers.transfer.costs import Link
+
+
+def span(worker_id: str, reach: int, base: int = 100) -> HolderSpan:
+    """A holder of prompt pages 0 .. reach-1 at page ids base + i, generation 7."""
+    return HolderSpan(worker_id, "cpu", tuple(base + i for i in range(reach)), (7,) * reach)
+
+
+def task(holder: str, first: int, end: int, base: int = 100) -> CopyTask:
+    return CopyTask(
+        holder, tuple(base + i for i in range(first, end)), (7,) * (end - first), first, end
+    )
+
+
+# Page times that are exact in binary: 1024-byte pages, 0.25 s and 1 s a page.
+FAST = Link(False, 4096.0, 0.0)
+SLOW = Link(True, 1024.0, 0.0)
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def test_pages_a_same_node_holder_lacks_come_from_a_remote_one():
+    links = {"near": Link(False, 1e10, 0.0), "far": Link(True, 1e9, 0.001)}
+    spans = [span("far", 8, base=200), span("near", 3)]
+    # far alone has [3, 8): 6 ms planned; then [0, 3) all to near (0.1 ms a page).
+    assert plan_copy(spans, 0, 8, links, 1_000_000) == (
+        task("near", 0, 3),
+        task("far", 3, 8, base=200),
+    )
+
+
+def test_holders_of_the_same_range_share_it_by_rate_and_finish_together():
+    spans = [span("a", 10), span("b", 10, base=200)]
+    assert plan_copy(spans, 0, 10, {"a": FAST, "b": SLOW}, 1024) == (
+        task("a", 0, 8),  # 8 pages at 0.25 s = 2 s
+        task("b", 8, 10, base=200),  # 2 pages at 1 s = 2 s
+    )
+    # The faster holder takes the earlier pages whichever order the match lists them in.
+    assert plan_copy(spans, 0, 10, {"a": SLOW, "b": FAST}, 1024) == (
+        task("b", 0, 8, base=200),
+        task("a", 8, 10),
+    )
+    # A holder so slow that even one page would finish last gets none.
+    crawl = Link(True, 10.0, 0.0)
+    assert plan_copy(spans, 0, 4, {"a": FAST, "b": crawl}, 1024) == (task("a", 0, 4),)
+
+
+def test_a_holder_busy_deeper_in_the_prompt_takes_less_of_the_shared_range():
+    spans = [span("a", 12), span("b", 4, base=200)]
+    links = {"a": Link(False, 1024.0, 0.0), "b": Link(False, 1024.0, 0.0)}
+    # a alone has [4, 12): 8 s planned, so b (idle) takes all of [0, 4).
+    assert plan_copy(spans, 0, 12, links, 1024) == (task("b", 0, 4, base=200), task("a", 4, 12))
+
+
+def test_unknown_holders_are_skipped_and_the_plan_starts_at_first():
+    spans = [span("stranger", 10, base=300), span("a", 6)]
+    assert plan_copy(spans, 2, 9, {"a": FAST}, 1024) == (task("a", 2, 6),)
+
+
+def test_nothing_to_copy():
+    spans = [span("a", 3)]
+    assert plan_copy(spans, 3, 8, {"a": FAST}, 1024) == ()  # nobody has page 3
+    assert plan_copy(spans, 1, 1, {"a": FAST}, 1024) == ()  # an empty range
+    assert plan_copy([], 0, 8, {"a": FAST}, 1024) == ()
+    assert plan_copy(spans, 0, 3, {}, 1024) == ()  # no known holder
+
+
+# ---------------------------------------------------------------------------- running
+
+LAYOUT = StoreLayout(num_pages=64, num_layers=2, num_kv_heads=2, page_tokens=4, head_dim=8)
+N = 40  # prompt pages, half from each holder
+
+
+def digest(i: int) -> bytes:
+    return bytes([i + 1]) * 16
+
+
+@pytest.fixture
+def holders():
+    """Two holders of prompt pages 0..N-1 (page i holds the value i + 1 everywhere, at
+    different page ids in each), and a requester with N pages allocated."""
+    near = SharedPageStore.create(LAYOUT, tag="near")
+    far = SharedPageStore.create(LAYOUT, tag="far")
+    requester = SharedPageStore.create(LAYOUT, tag="requester")
+    spans = []
+    for name, store, skip in (("near", near, 3), ("far", far, 11)):
+        store.allocate(skip)  # the holders' page ids differ from each other's
+        pages = store.allocate(N)
+        for i, page in enumerate(pages):
+            store.write_page(page, torch.full(LAYOUT.page_shape, float(i + 1)))
+            store.set_digest(page, digest(i))
+        spans.append(HolderSpan(name, "cpu", tuple(pages), tuple(store.generations(pages))))
+    targets = requester.allocate(N)
+    yield near, far, requester, spans, targets
+    for store in (requester, far, near):
+        store.check_integrity()
+        store.close()
+
+
+def _plan(spans, links) -> CopyPlan:
+    tasks = plan_copy(spans, 0, N, links, LAYOUT.page_bytes)
+    return CopyPlan(tasks, 0, N, 0.0, 0.0)
+
+
+def test_two_holders_copy_at_once_and_the_bytes_land_exactly(holders):
+    near, far, requester, spans, targets = holders
+    server = PageServer(far)
+    shm = SharedMemorySource("near", "n1", near.name, delay_s=0.005)  # 20 pages: 100 ms
+    remote = PageServerSource("far", "n2", server.address, delay_s=0.005)
+    copier = CopyExecutor()
+    try:
+        same_rate = Link(False, 1e9, 0.0)
+        plan = _plan(spans, {"near": same_rate, "far": same_rate._replace(remote=True)})
+        assert [(t.holder, t.first, t.end) for t in plan.tasks] == [
+            ("far", 0, 20),  # equal rates: ties go by name
+            ("near", 20, 40),
+        ]
+        outcome = copier.run(
+            plan, {"near": shm, "far": remote}, requester, targets, [digest(i) for i in range(N)]
+        )
+        assert outcome.end == N
+        assert [r.valid for r in outcome.results] == [(True,) * 20, (True,) * 20]
+        for i, page in enumerate(targets):
+            assert torch.equal(requester.page(page), torch.full(LAYOUT.page_shape, float(i + 1)))
+        assert server.pages_sent == 20 and shm.pages_copied == 20
+        first, second = outcome.results
+        assert first.seconds >= 0.1 and second.seconds >= 0.1
+        assert max(first.start_s, second.start_s) < min(first.end_s, second.end_s)  # overlap
+        server.check_integrity()
+    finally:
+        copier.close()
+        shm.close()
+        remote.close()
+        server.stop()
+
+
+def test_a_changed_page_ends_the_prefix_even_if_later_tasks_succeed(holders):
+    near, far, requester, spans, targets = holders
+    spans = [s for s in spans if s.worker_id == "near"]
+    spans.append(spans[0]._replace(worker_id="near2"))  # the same store, as a second peer
+    gens = list(spans[0].generations)
+    gens[5] += 1  # page 5 changed since the index heard of it
+    spans[0] = spans[0]._replace(generations=tuple(gens))
+    sources = {
+        "near": SharedMemorySource("near", "n1", near.name),
+        "near2": SharedMemorySource("near2", "n1", near.name),
+    }
+    copier = CopyExecutor()
+    try:
+        plan = _plan(spans, {"near": FAST, "near2": FAST})
+        assert [(t.holder, t.first, t.end) for t in plan.tasks] == [
+            ("near", 0, 20),
+            ("near2", 20, 40),
+        ]
+        outcome = copier.run(plan, sources, requester, targets, [digest(i) for i in range(N)])
+        assert outcome.results[0].valid == (True,) * 5 + (False,) + (True,) * 14
+        assert outcome.results[1].valid == (True,) * 20
+        assert outcome.end == 5
+    finally:
+        copier.close()
+        for source in sources.values():
+            source.close()
+
+
+def test_a_store_that_will_not_attach_is_all_misses(holders):
+    _, _, requester, _, targets = holders
+    gone = SharedMemorySource("gone", "n1", "kvmesh_no_such_store")
+    assert gone.fetch([1, 2], [7, 7], [digest(0), digest(1)], targets[:2], requester) == [
+        False,
+        False,
+    ]
+    assert not gone.attached
+    gone.close()
+
+
+def test_sources_are_kept_per_peer_and_let_go(holders):
+    near, far, _, _, _ = holders
+    server = PageServer(far)
+    sources = Sources("n1", auth=None)
+    try:
+        near_peer = PeerInfo("near", "n1", near.name, "tcp://127.0.0.1:1", None)
+        far_peer = PeerInfo("far", "n2", far.name, server.address, None)
+        shm = sources.get(near_peer)
+        assert isinstance(shm, SharedMemorySource) and sources.get(near_peer) is shm
+        assert isinstance(sources.get(far_peer), PageServerSource)
+        assert sources.attached() == []  # attached on first fetch only
+        shm.fetch([], [], [], [], near)
+        assert sources.attached() == [near.name]
+        assert sources.detach_dead() == []  # its owner (this process) lives
+        sources.throttle("near", 0.01)
+        assert shm.delay_s == 0.01
+        sources.forget("near")
+        assert sources.attached() == [] and not shm.attached
+        again = sources.get(near_peer)
+        assert again is not shm and again.delay_s == 0.01  # the throttle outlives a source
+    finally:
+        sources.close()
+        server.stop()

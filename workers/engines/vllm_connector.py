@@ -1,0 +1,326 @@
+"""kvmesh's KV connector for vLLM: a vLLM engine shares prefixes through the mesh.
+
+Load it with vLLM's `--kv-transfer-config` (or `LLM(kv_transfer_config=...)`):
+
+    {"kv_connector": "KvmeshConnector",
+     "kv_connector_module_path": "workers.engines.vllm_connector",
+     "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"engine_id": "vllm-a", "ray_address": "auto"}}
+
+Extra config: `engine_id` (its worker id in the mesh; default "vllm-<host>-<pid>"),
+`ray_address` (the Ray cluster of a running `kvmesh up`; default "auto"), `num_blocks`
+(blocks the engine's kvmesh store keeps; default 64), `model_name`
+(the name engines of one model share under; default vLLM's served model name),
+`node_ip_address` (this machine's Ray node, where several Ray nodes share one machine;
+default: Ray's choice).
+
+vLLM makes one connector in its scheduler process and one in each worker process:
+
+- scheduler (`get_num_new_matched_tokens`): asks the service how many whole blocks of
+  the prompt beyond vLLM's own hit are held by engines of the same model and KV format
+  on this node (the last prompt token is always computed); vLLM then allocates blocks
+  and `build_connector_meta` hands the worker a `LoadSpec` per hit (holders, their
+  pages and generations) and a `SaveSpec` per request whose prompt blocks filled in the
+  step.
+- worker (`start_load_kv`, `wait_for_save`): copies the held pages, validated, into the
+  engine's own kvmesh store and from there into vLLM's blocks before the forward; after
+  it, copies the newly computed full prompt blocks into the store and publishes them.
+  A page that fails validation (changed, freed, or holding other tokens) is reported
+  through `get_block_ids_with_load_errors`, and vLLM recomputes from there
+  (`kv_load_failure_policy: recompute`): never wrong KV, never a hung request.
+
+Loads are synchronous (the forward waits for them): a page copy in shared memory is a
+memcpy, well below a prefill of the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from workers.engines.engine import (
+    EngineCache,
+    EngineIndex,
+    LoadSpec,
+    SaveSpec,
+    engine_layout,
+    engine_namespace,
+    join_mesh,
+    kv_layers,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_BLOCKS = 64  # 64 blocks of 128 tokens: 8,192 tokens, 180 MB for SmolLM2-135M
+
+
+@dataclass
+class KvmeshConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker side: loads before the forward, saves after it, and
+    each new request's prompt tokens by source (for the mesh's hit-rate figures)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    admitted: list[tuple[str, str, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A running request's prompt blocks, as the scheduler side follows them."""
+
+    namespace: Any
+    prompt: tuple[int, ...]
+    block_ids: list[int]
+    saved: int = 0  # prompt blocks handed to the worker to save so far
+
+
+class KvmeshConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = str(extra.get("engine_id") or f"vllm-{socket.gethostname()}-{os.getpid()}")
+        self.num_blocks = int(extra.get("num_blocks", DEFAULT_NUM_BLOCKS))
+        model = vllm_config.model_config
+        self.model_name = str(extra.get("model_name") or model.served_model_name or model.model)
+        self.enrollment = join_mesh(
+            self.engine_id,
+            str(extra.get("ray_address", "auto")),
+            extra.get("node_ip_address"),
+        )
+        # The KV format: known to the worker from its caches; the scheduler derives the
+        # same string from the model config (checked against the worker's at first save).
+        self.kv_format = _kv_format(vllm_config, self.enrollment.page_tokens)
+        self.index: EngineIndex | None = None
+        self.engine: EngineCache | None = None
+        self._layers: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self._unfilled: dict[str, int] = {}  # req -> its first block left unloaded, this step
+        if role == KVConnectorRole.SCHEDULER:
+            self.index = EngineIndex(self.enrollment, self.block_size)
+        self._pending: dict[str, tuple[int, tuple, tuple, int]] = {}  # req -> its hit
+        self._tracked: dict[str, _Tracked] = {}
+        self._new_hits: dict[str, tuple[int, int]] = {}  # req -> (local, external) tokens
+        self._namespaces: dict[str, Any] = {}  # req -> its namespace, until scheduled
+        log.info(
+            "kvmesh connector (%s) joined the mesh as %s, node %s",
+            role.name.lower(),
+            self.engine_id,
+            self.enrollment.node_id[:8],
+        )
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = kv_layers(kv_caches)
+        layout = engine_layout(
+            self._layers, self.block_size, self.enrollment.page_tokens, self.num_blocks
+        )
+        if layout.kv_format != self.kv_format:
+            raise ValueError(
+                f"vLLM's KV caches are {layout.kv_format}, the model config says "
+                f"{self.kv_format}: kvmesh cannot tell which pages are whose"
+            )
+        self.engine = EngineCache(self.enrollment, layout, self.block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmeshConnectorMetadata)
+        if self.engine is None:
+            return
+        loaded: dict[str, int] = {}
+        self._unfilled = {}
+        for spec in meta.loads:
+            failed = self.engine.load(spec, self._layers)
+            self._load_errors |= failed
+            loaded[spec.request_id] = (spec.end - len(failed)) - spec.first
+            if failed:
+                self._unfilled[spec.request_id] = spec.end - len(failed)
+        for request_id, salt, local, external, prompt in meta.admitted:
+            remote = min(external, max(0, loaded.get(request_id, 0) * self.block_size))
+            self.engine.figures.admitted(salt, local, remote, prompt - local - remote)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # saved once the whole forward is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmeshConnectorMetadata)
+        if self.engine is None:
+            return
+        for spec in meta.saves:
+            # Blocks whose load failed hold what they held before this step (vLLM took
+            # them as loaded and recomputes them later): they are never kept.
+            cut = self._unfilled.get(spec.request_id, len(spec.block_ids))
+            if cut < len(spec.block_ids):
+                spec = spec._replace(
+                    tokens=spec.tokens[: cut * self.block_size], block_ids=spec.block_ids[:cut]
+                )
+            if spec.block_ids:
+                self.engine.save(spec, self._layers)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.index is not None
+        prompt = tuple(request.prompt_token_ids or ())
+        # vLLM computes at least the prompt's last token: hits end a block before it.
+        limit = (len(prompt) - 1) // self.block_size
+        namespace = self._namespace(request)
+        self._namespaces[request.request_id] = namespace
+        self._new_hits[request.request_id] = (num_computed_tokens, 0)
+        if limit * self.block_size <= num_computed_tokens:
+            return 0, False
+        blocks, spans, peers = self.index.lookup(namespace, prompt, limit)
+        hit = blocks * self.block_size
+        if hit <= num_computed_tokens:
+            return 0, False
+        self._pending[request.request_id] = (blocks, spans, peers, num_computed_tokens)
+        self._new_hits[request.request_id] = (num_computed_tokens, hit - num_computed_tokens)
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            self._pending.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvmeshConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = tuple(new.prompt_token_ids or ())
+            namespace = self._namespaces.pop(new.req_id, None)
+            if namespace is None:
+                continue  # not seen by get_num_new_matched_tokens: not ours to follow
+            tracked = _Tracked(namespace, prompt, list(new.block_ids[0]))
+            self._tracked[new.req_id] = tracked
+            hit = self._pending.pop(new.req_id, None)
+            local, external = self._new_hits.pop(new.req_id, (new.num_computed_tokens, 0))
+            if hit is not None:
+                blocks, spans, peers, computed = hit
+                meta.loads.append(
+                    LoadSpec(
+                        new.req_id,
+                        namespace,
+                        prompt[: blocks * self.block_size],
+                        computed // self.block_size,
+                        tuple(tracked.block_ids[:blocks]),
+                        spans,
+                        peers,
+                    )
+                )
+            meta.admitted.append((new.req_id, namespace.salt, local, external, len(prompt)))
+            self._save_done(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = [] if new_blocks is None else list(new_blocks[0])
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            self._save_done(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        self._new_hits.pop(request.request_id, None)
+        self._namespaces.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------ internals
+
+    def _save_done(
+        self, meta: KvmeshConnectorMetadata, req_id: str, computed: int, output: SchedulerOutput
+    ) -> None:
+        """Hand the worker the prompt blocks that are full once this step has run."""
+        tracked = self._tracked[req_id]
+        done = computed + output.num_scheduled_tokens.get(req_id, 0)
+        full = min(done, len(tracked.prompt)) // self.block_size
+        full = min(full, len(tracked.block_ids))
+        if full > tracked.saved:
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    tracked.namespace,
+                    tracked.prompt[: full * self.block_size],
+                    tuple(tracked.block_ids[:full]),
+                )
+            )
+            tracked.saved = full
+        if tracked.saved >= len(tracked.prompt) // self.block_size:
+            del self._tracked[req_id]  # its prompt is kept; decode pages are not published
+
+    def _namespace(self, request: Request):
+        lora = getattr(request, "lora_request", None)
+        return engine_namespace(
+            self.model_name,
+            self.kv_format,
+            self.enrollment.secret,
+            getattr(request, "cache_salt", None),
+            "" if lora is None else lora.lora_name,
+        )
+
+
+def _kv_format(vllm_config: VllmConfig, page_tokens: int) -> str:
+    """The KV format vLLM's caches will have (`StoreLayout.kv_format`), from the model
+    config: what the scheduler side names namespaces with before any cache exists."""
+    from workers.store.page_store import StoreLayout
+
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    head_dim = model.get_head_size()
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype == "auto":
+        dtype = str(model.dtype).removeprefix("torch.")
+    layers = hf.num_hidden_layers
+    return StoreLayout(1, layers, heads, page_tokens, head_dim, dtype).kv_format

@@ -1,0 +1,105 @@
+"""A vLLM engine in a process of its own, driven by JSON lines: for the tests and
+`kvmesh bench vllm`, which run in the main venv while vLLM lives in its own.
+
+    python -m workers.engines.vllm_engine --model DIR [--kvmesh ENGINE_ID] [--example-connector DIR]
+
+Each line on stdin is a request, `{"prompt_token_ids": [...], "max_tokens": n,
+"cache_salt": s}` (cache_salt optional); each line on stdout its answer,
+`{"token_ids": [...], "num_cached_tokens": n, "seconds": s}` (`seconds`: the call's wall
+time; with `max_tokens: 1` it is the time to first token); `{"reset_prefix_cache": true}`
+empties vLLM's own prefix cache. The first line out is
+`{"ready": true}` once the engine serves. Greedy decoding, always.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def kv_transfer_config(args: argparse.Namespace) -> dict | None:
+    """The `--kv-transfer-config` a user would pass, for kvmesh or vLLM's example."""
+    if args.kvmesh:
+        return {
+            "kv_connector": "KvmeshConnector",
+            "kv_connector_module_path": "workers.engines.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "engine_id": args.kvmesh,
+                "ray_address": args.ray_address,
+                "num_blocks": args.num_blocks,
+                "model_name": args.model_name,
+                "node_ip_address": args.node_ip_address,
+            },
+        }
+    if args.example_connector:
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": args.example_connector},
+        }
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.engines.vllm_engine")
+    parser.add_argument("--model", required=True, help="an HF model folder")
+    parser.add_argument("--model-name", default="smollm2-135m")
+    parser.add_argument("--kvmesh", metavar="ENGINE_ID", help="join the mesh as this engine")
+    parser.add_argument("--ray-address", default="auto")
+    parser.add_argument("--node-ip-address", help="this machine's Ray node (default: Ray's pick)")
+    parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--example-connector", metavar="DIR", help="vLLM's ExampleConnector")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM takes 19 by default
+    # vLLM logs to stdout (and so do the processes it spawns): the answers get a file of
+    # their own, and everything else written to fd 1 goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        kv_transfer_config=kv_transfer_config(args),
+        enable_prefix_caching=True,
+    )
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request.get("reset_prefix_cache"):
+            # vLLM's own cache forgets: the next hit can only come through the connector.
+            out.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
+            out.flush()
+            continue
+        prompt = TokensPrompt(prompt_token_ids=request["prompt_token_ids"])
+        if request.get("cache_salt"):
+            prompt["cache_salt"] = request["cache_salt"]
+        params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1))
+        start = time.perf_counter()
+        (result,) = llm.generate(prompt, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        answer = {
+            "token_ids": list(result.outputs[0].token_ids),
+            "num_cached_tokens": result.num_cached_tokens,
+            "seconds": seconds,
+        }
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":  # the engine spawns processes: nothing runs on import
+    sys.exit(main())

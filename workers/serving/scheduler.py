@@ -1,0 +1,430 @@
+"""The worker's scheduler: which sequences run in the next forward pass, and how much of each.
+
+Continuous batching, as in vLLM and nano-vllm: every step is one forward pass over
+
+1. the newest sampled token of every sequence in decode (one token each), then
+2. prefill chunks of admitted sequences, oldest first, then
+3. the waiting sequences it can admit now, while the pass has room
+   (`max_batch_tokens`) and fewer than `max_running` sequences run.
+
+A prompt longer than `prefill_chunk_tokens` is prefilled a chunk a step, interleaved with
+the decode steps of the others, so a long prompt never stalls them. Chunks end on
+multiples of the chunk size, so with the cache's chunk alignment on (`chunk_tokens`)
+every chunk starts where a cached one would.
+
+Admission takes pages from the local prefix cache. Sequences that arrive together (one
+`add`) under one namespace are admitted through one `acquire_batch` plan: a prefix they
+share and nobody has cached is computed once, by the first of them, and the others
+wait for it (`Sequence.ready`) and then compute only their own suffixes. Pages are
+published as soon as a prefill chunk has written them, so a request arriving a step
+later finds them cached instead of computing them again.
+
+With compaction configured (`workers.serving.compaction`), every step first checks the store:
+once the pages held by running sequences pass the high-water mark, the longest sequences
+in decode are compacted by the configured policy (their private pages packed, the rest
+freed) until the share is back under it, before anything would be preempted.
+
+Decode takes one more page whenever a sequence crosses a page boundary. When none is left
+even after eviction, the newest running sequence is preempted: its pages are released
+(private ones freed) and it waits to be admitted again, its prompt and the tokens it
+generated then computed anew (counted as recomputed, never as hits). A sequence that
+cannot grow with nothing else running finishes with "out_of_pages".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from workers.cache.prefix_cache import PrefixCache
+from workers.serving.batch_runner import Chunk
+from workers.serving.compaction import Compactor
+from workers.serving.sequence import Phase, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class CacheFull(RuntimeError):
+    """The worker's page store cannot hold this request even after evicting everything
+    unreferenced."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much one forward pass takes."""
+
+    # Sequences in prefill or decode at once: the decode batch at most.
+    max_running: int = 32
+    # Tokens of one forward pass: the longest prompts run whole, and a pass stays short
+    # enough that decoding sequences wait little between their steps.
+    max_batch_tokens: int = 4096
+    # A prompt's tokens per pass at most (0: as many as the pass has room for).
+    prefill_chunk_tokens: int = 0
+    # Requests that arrive together compute a prefix they share once (off: each computes
+    # its whole prompt, as engines without same-batch sharing do).
+    batch_sharing: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_batch_tokens < self.max_running:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must leave each of max_running "
+                f"({self.max_running}) sequences a decode token"
+            )
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+
+
+class Step(NamedTuple):
+    """One forward pass: a chunk per sequence, in the same order."""
+
+    sequences: list[Sequence]
+    chunks: list[Chunk]
+
+
+class Scheduler:
+    """Decides each forward pass (see the module docstring).
+
+    `add` may be called from any thread; everything else runs on the serving thread.
+
+    Args:
+        cache: the worker's local prefix cache (pages come from it).
+        config: the pass's limits.
+        copy_in: called for each newly admitted sequence that reuses: copies what peers
+            hold beyond the local prefix into its pages and returns where computing
+            starts (None: nothing is copied).
+        on_admit: called with each sequence at its first admission, its hits known.
+        on_finish: called with each sequence that finished or failed, after its pages
+            were published and released.
+        compactor: compacts running sequences under pressure (None, or one without a
+            policy: never).
+    """
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        config: SchedulerConfig | None = None,
+        copy_in: Callable[[Sequence], int] | None = None,
+        on_admit: Callable[[Sequence], None] | None = None,
+        on_finish: Callable[[Sequence], None] | None = None,
+        compactor: Compactor | None = None,
+    ):
+        self.cache = cache
+        self.compactor = compactor if compactor is not None and compactor.enabled else None
+        self._total_pages = cache.stats()["total_pages"]
+        self.config = config or SchedulerConfig()
+        self._copy_in = copy_in
+        self._on_admit = on_admit
+        self._on_finish = on_finish
+        self.running: list[Sequence] = []  # admission order
+        self._waiting: deque[list[Sequence]] = deque()  # arrival groups, oldest first
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self.preemptions = 0
+        self.steps = 0
+        self.compactions = 0
+        self.compacted_pages_freed = 0
+
+    # -- from any thread ---------------------------------------------------------------
+
+    def add(self, sequences: Iterable[Sequence]) -> None:
+        """Queue sequences that arrived together (one admission plan when they fit)."""
+        group = list(sequences)
+        if not group:
+            return
+        with self._lock:
+            self._waiting.append(group)
+            self._arrived.notify_all()
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a sequence waits or runs (True) or `timeout_s` passed (False)."""
+        with self._lock:
+            if self.running or self._waiting:
+                return True
+            return self._arrived.wait(timeout_s)
+
+    def wake(self) -> None:
+        """Wake a `wait_for_work` (to stop the serving loop)."""
+        with self._lock:
+            self._arrived.notify_all()
+
+    def load(self) -> dict[str, int]:
+        """Sequences running and waiting now, and the prompt tokens they have yet to
+        compute (read from any thread: a moment's figures, not a locked snapshot)."""
+        with self._lock:
+            waiting = [seq for group in self._waiting for seq in group]
+        running = list(self.running)
+        queued = sum(len(seq.to_compute) for seq in waiting)
+        for seq in running:
+            allocation = seq.allocation
+            if seq.phase is Phase.PREFILL and allocation is not None:
+                queued += max(0, len(allocation.tokens) - seq.computed)
+        return {"running": len(running), "waiting": len(waiting), "queued_tokens": queued}
+
+    # -- on the serving thread ---------------------------------------------------------
+
+    def schedule(self) -> Step:
+        """The next forward pass (empty when nothing can run now)."""
+        self.steps += 1
+        self._compact_under_pressure()
+        step = Step([], [])
+        budget = self.config.max_batch_tokens
+        for seq in [s for s in self.running if s.phase is Phase.DECODE]:
+            if seq.phase is Phase.DECODE and self._grow(seq, step):
+                step.sequences.append(seq)
+                step.chunks.append(
+                    Chunk(seq.allocation.pages, seq.tokens[-1:], seq.computed, _kv(seq))
+                )
+                budget -= 1
+        budget = self._prefill(step, budget)
+        while budget > 0 and len(self.running) < self.config.max_running:
+            admitted = self._admit_next()
+            if not admitted:
+                break
+            budget = self._prefill(step, budget, admitted)
+        return step
+
+    def after_forward(self, step: Step) -> None:
+        """A pass ran: every chunk's KV is in its pages. Publish the prefill chunks' full
+        pages at once (a request arriving next step finds them cached)."""
+        for seq, chunk in zip(step.sequences, step.chunks, strict=True):
+            seq.computed = chunk.end
+            if seq.phase is Phase.PREFILL and seq.reuse:
+                seq.allocation.publish(seq.computed)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """`seq` is done: publish what it computed, release its pages, wake its caller."""
+        seq.finish(reason)
+        self._retire(seq)
+
+    def fail(self, seq: Sequence, error: BaseException) -> None:
+        """`seq` cannot go on: release its pages and hand its caller `error`."""
+        seq.error = error
+        seq.finish("error")
+        self._retire(seq)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every running and waiting sequence (the serving loop stops)."""
+        for seq in list(self.running):
+            self.fail(seq, error)
+        with self._lock:
+            waiting, self._waiting = [s for g in self._waiting for s in g], deque()
+        for seq in waiting:
+            self.fail(seq, error)
+
+    def check_integrity(self) -> None:
+        for seq in self.running:
+            assert seq.phase in (Phase.PREFILL, Phase.DECODE), f"{seq.seq_id} runs as {seq.phase}"
+            assert seq.allocation is not None and not seq.allocation.released
+            assert 0 <= seq.computed <= len(seq.tokens), (seq.computed, len(seq.tokens))
+            if seq.kv is not None:
+                seq.kv.check_integrity(seq.allocation.pages, seq.allocation.num_tokens)
+        with self._lock:
+            for group in self._waiting:
+                for seq in group:
+                    assert seq.phase is Phase.WAITING and seq.allocation is None
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _prefill(self, step: Step, budget: int, sequences: list[Sequence] | None = None) -> int:
+        """Add prefill chunks of `sequences` (default: every running one in prefill)."""
+        chunk_size = self.config.prefill_chunk_tokens
+        for seq in self.running if sequences is None else sequences:
+            if budget <= 0:
+                break
+            if seq.phase is not Phase.PREFILL or seq in step.sequences or not seq.ready:
+                continue
+            end = len(seq.tokens)
+            if chunk_size:
+                end = min(end, (seq.computed // chunk_size + 1) * chunk_size)
+            end = min(end, seq.computed + budget)
+            step.sequences.append(seq)
+            step.chunks.append(
+                Chunk(seq.allocation.pages, seq.tokens[seq.computed : end], seq.computed, _kv(seq))
+            )
+            budget -= end - seq.computed
+        return budget
+
+    def _compact_under_pressure(self) -> None:
+        """Compact the longest sequences in decode while the pages running sequences hold
+        are past the high-water mark (see the module docstring)."""
+        compactor = self.compactor
+        if compactor is None:
+            return
+        config = compactor.config
+        limit = config.high_water * self._total_pages
+        if self.cache.pages_referenced() <= limit:
+            return
+        candidates = [
+            seq
+            for seq in self.running
+            if seq.phase is Phase.DECODE
+            and seq.kv is not None
+            and seq.computed == len(seq.tokens)
+            and seq.computed - seq.kv.tail_start >= config.min_tokens
+        ]
+        for seq in sorted(candidates, key=lambda s: (-len(s.tokens), s.seq_id)):
+            result = compactor.compact(seq.allocation, seq.kv)
+            self.compactions += 1
+            self.compacted_pages_freed += result.pages_freed
+            seq.compacted_pages_freed += result.pages_freed
+            log.info(
+                "compacted sequence %d (%d tokens, %s): %d of %d pages freed",
+                seq.seq_id, len(seq.tokens), config.policy, result.pages_freed,
+                result.pages_before,
+            )  # fmt: skip
+            if self.cache.pages_referenced() <= limit:
+                break
+
+    def _grow(self, seq: Sequence, step: Step) -> bool:
+        """A page slot for the sequence's newest token, preempting the newest running
+        sequences if need be; False when `seq` itself was preempted or finished."""
+        while not seq.allocation.extend(seq.output[-1:]):
+            victim = max(self.running, key=lambda s: s.seq_id)
+            if victim is seq and len(self.running) == 1:
+                self.finish(seq, "out_of_pages")
+                return False
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, step: Step | None = None) -> None:
+        """Release a running sequence's pages (and drop its chunk from `step`); it waits
+        to be admitted again, first."""
+        for other in list(self.running):
+            if seq in other.depends_on and other.phase is Phase.PREFILL and not other.ready:
+                self._preempt(other, step)  # it was waiting for pages `seq` has not computed
+        if step is not None and seq in step.sequences:
+            at = step.sequences.index(seq)
+            del step.sequences[at], step.chunks[at]
+        self.running.remove(seq)
+        seq.allocation.release()
+        seq.allocation = None
+        seq.kv = None  # compacted or not, it is computed anew, whole
+        seq.phase = Phase.WAITING
+        seq.depends_on = []
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        with self._lock:
+            self._waiting.appendleft([seq])
+
+    def _admit_next(self) -> list[Sequence]:
+        """Admit the oldest waiting group, or as much of it as fits; [] when nothing can
+        be admitted now."""
+        with self._lock:
+            if not self._waiting:
+                return []
+            group = self._waiting.popleft()
+        room = self.config.max_running - len(self.running)
+        group, rest = group[:room], group[room:]
+        admitted = self._acquire(group)
+        if len(admitted) < len(group):
+            rest = group[len(admitted) :] + rest
+        if rest:
+            with self._lock:
+                self._waiting.appendleft(rest)
+        if not admitted and not self.running:
+            # Nothing runs whose pages could come free: the head cannot fit at all.
+            head = rest[0]
+            with self._lock:
+                self._waiting[0].remove(head)
+                if not self._waiting[0]:
+                    self._waiting.popleft()
+            self.fail(
+                head,
+                CacheFull(
+                    f"{len(head.to_compute)} tokens do not fit in "
+                    f"{self.cache.stats()['total_pages']} pages of {self.cache.page_tokens} "
+                    f"tokens, even with nothing else held"
+                ),
+            )
+        return admitted
+
+    def _acquire(self, group: list[Sequence]) -> list[Sequence]:
+        """Pages for a group: one batch plan for its new sequences of one namespace when
+        sharing is on, else one acquire each; stops at the first that does not fit."""
+        plannable = (
+            self.config.batch_sharing
+            and len(group) > 1
+            and all(s.reuse and s.preemptions == 0 for s in group)
+            and len({s.namespace for s in group}) == 1
+        )
+        if plannable:
+            entries = self.cache.acquire_batch([s.to_compute for s in group], group[0].namespace)
+            if entries is not None:
+                for seq, entry in zip(group, entries, strict=True):
+                    deps = [group[i] for i in entry.depends_on]
+                    self._start(seq, entry.allocation, entry.compute_from, deps)
+                return group
+        admitted = []
+        for seq in group:
+            allocation = self.cache.acquire(seq.to_compute, seq.namespace)
+            if allocation is None:
+                break
+            self._start(seq, allocation, allocation.cached_tokens, [])
+            admitted.append(seq)
+        return admitted
+
+    def _start(self, seq: Sequence, allocation, compute_from: int, deps: list[Sequence]) -> None:
+        seq.allocation = allocation
+        if self.compactor is not None:
+            seq.kv = self.compactor.track(allocation)
+        seq.phase = Phase.PREFILL
+        seq.depends_on = deps
+        seq.ready_from = compute_from if deps else 0
+        local = allocation.cached_tokens
+        if deps:
+            # Pages a sibling computes are not hits: they are computed, once.
+            local = min(local, min(dep_start(seq, dep) for dep in deps))
+        seq.computed = compute_from
+        if seq.hits is None:  # the first admission: what it reused, once and for all
+            seq.admitted_at = time.perf_counter()
+            copied_to = local
+            if seq.reuse and self._copy_in is not None and not deps:
+                start = time.perf_counter()
+                copied_to = self._copy_in(seq)
+                seq.copy_s = time.perf_counter() - start
+                seq.computed = max(seq.computed, copied_to)
+            seq.hits = (local, copied_to - local)
+            seq.batch_shared = compute_from - local if deps else 0
+            if self._on_admit is not None:
+                self._on_admit(seq)
+        else:
+            seq.recomputed += len(seq.tokens) - seq.computed
+        self.running.append(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        for other in list(self.running):
+            if seq in other.depends_on and not other.ready:
+                self._preempt(other)  # the pages it waited for will never be computed
+        allocation, seq.allocation = seq.allocation, None
+        seq.kv = None
+        if allocation is not None:
+            try:
+                if seq.reuse and seq.error is None:
+                    allocation.publish(seq.computed)
+            finally:
+                allocation.release()
+        if self._on_finish is not None:
+            self._on_finish(seq)
+        seq.done.set()
+
+
+def _kv(seq: Sequence):
+    """The compaction state a chunk of `seq` carries: only when its attention needs it."""
+    return seq.kv if seq.kv is not None and seq.kv.needs_own_path else None
+
+
+def dep_start(seq: Sequence, dep: Sequence) -> int:
+    """Where the pages `dep` computes for `seq` begin: what `dep` itself found cached."""
+    return dep.allocation.cached_tokens if dep.allocation is not None else 0

@@ -1,0 +1,127 @@
+"""A request as the worker's scheduler follows it: its tokens, pages, progress and result.
+
+A sequence goes WAITING -> PREFILL -> DECODE -> FINISHED. Preempted (its pages taken for
+older sequences), it goes back to WAITING with the tokens it generated so far, and its
+prompt and those tokens are computed again when it is admitted next; what it reported
+as reused at its first admission stays as it was (recomputed tokens are never hits).
+
+    tokens      [ prompt ......................... ][ output[:-1] ][ output[-1] ]
+    computed    |<-- KV in the pages ------------->|
+    prefill     runs [computed, len(tokens)) in chunks, then samples output[0]
+    decode      runs output[-1] (one token a step), then samples the next
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cache_service.events import Namespace
+from workers.serving.sampling import Sampler
+
+if TYPE_CHECKING:
+    from workers.cache.prefix_cache import Allocation
+    from workers.serving.compaction import KvState
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, holding no pages
+    PREFILL = "prefill"  # admitted: pages held, tokens [computed, len(tokens)) to run
+    DECODE = "decode"  # its last sampled token runs next
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the worker's scheduler.
+
+    Attributes:
+        seq_id: its number in arrival order (the newest has the highest).
+        prompt: the prompt's token ids.
+        namespace: where its pages are matched and published.
+        max_new_tokens: tokens to sample at most.
+        sampler: picks each token (greedy or seeded sampling).
+        stops: tokens that end generation (returned, last).
+        reuse: False: nothing is matched, copied or published (a baseline run).
+        on_token: called with each sampled token as soon as it is sampled (streaming);
+            it runs on the scheduler's thread and should only hand the token on.
+        return_logits: keep the logits after the prompt's last token.
+    """
+
+    seq_id: int
+    prompt: list[int]
+    namespace: Namespace
+    max_new_tokens: int
+    sampler: Sampler
+    stops: frozenset[int] = frozenset()
+    reuse: bool = True
+    on_token: Callable[[int], None] | None = None
+    return_logits: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+
+    phase: Phase = Phase.WAITING
+    allocation: Allocation | None = None
+    kv: KvState | None = None  # its layout and scores, when the worker compacts
+    computed: int = 0  # tokens of `tokens` whose KV is in the pages
+    # Prefill waits until every sequence in `depends_on` has computed this far: they
+    # compute the pages before it (a batch plan's shared prefix).
+    ready_from: int = 0
+    depends_on: list[Sequence] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    # Fixed at the first admission: (local hit, copied) tokens of the prompt.
+    hits: tuple[int, int] | None = None
+    batch_shared: int = 0  # prompt tokens a sibling of its batch computed for it
+    recomputed: int = 0  # tokens computed again after preemptions
+    preemptions: int = 0
+    compacted_pages_freed: int = 0
+    admitted_at: float | None = None  # first admission
+    first_token_at: float | None = None
+    copy_s: float = 0.0
+    prefill_s: float = 0.0  # wall time of the passes that ran its prefill chunks
+    finish_reason: str | None = None
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens whose KV the sequence computes: the prompt, then every sampled
+        token but the newest while it waits to run."""
+        assert self.allocation is not None, "a waiting sequence holds no tokens"
+        return self.allocation.tokens
+
+    @property
+    def to_compute(self) -> list[int]:
+        """Where an admission starts: the prompt and the tokens sampled so far."""
+        return self.prompt + self.output
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.tokens) - self.computed
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next prefill chunk may run: its batch siblings computed its pages."""
+        return all(dep.computed >= self.ready_from for dep in self.depends_on)
+
+    def finish(self, reason: str) -> None:
+        self.phase = Phase.FINISHED
+        self.finish_reason = reason
+
+    def fail(self, error: BaseException) -> None:
+        self.phase = Phase.FINISHED
+        self.error = error
+        self.done.set()
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """Wait until finished; raises what the scheduler failed it with."""
+        self.done.wait(timeout_s)
+        if self.error is not None:
+            raise self.error
+        return self

@@ -1,0 +1,432 @@
+"""Copying a request's cached pages in from the workers that hold them.
+
+Where pages come from (`PageSource`): a same-node holder's shared memory, attached by name
+(`SharedMemorySource`), or another node's page server (`PageServerSource`). `Sources`
+keeps one per peer, so stores stay attached and connections open between requests, and
+lets a forgotten or dead peer's source go.
+
+Which holder gives which pages (`plan_copy`). The service's match lists holders, each with
+prompt pages 0 .. reach-1. Pages [first, end) are cut where holders' reaches end; every
+page some usable holder has is planned (a same-node holder that stops short leaves the rest
+to remote holders, not to a recompute). Within a range, pages go one by one to the holder
+that would finish it soonest (its latency once, then page_bytes / rate a page), so holders
+finish together and a fast same-node memcpy takes most; a slow holder gets pages only when
+even one page of its own finishes before the faster holders would. The deepest range goes
+first, since fewer holders cover it; shallower ranges then fill the idle holders:
+
+    prompt pages   first                  r1                   end
+    holder A (r1)  |======================|
+    holder B (end) |======================|=====================|
+    plan           |  A ......  | B .......| B (only B reaches) |
+
+How (`CopyExecutor`): one thread per holder, its tasks in order; each task's validity
+list and its start and end times come back. Tasks land in distinct target pages, so the
+concurrent writes never overlap. The usable prefix ends at the first invalid page in
+prompt order, even when later tasks succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, Protocol
+
+from cache_service.messages import HolderSpan
+from workers.store.page_store import PageStoreError, SharedPageStore, owner_alive
+from workers.transfer.costs import Link
+from workers.transfer.page_client import PageClient
+from workers.transfer.page_wire import TransferAuth
+from workers.transfer.shm_copy import copy_from_peer
+
+log = logging.getLogger(__name__)
+
+
+class PeerInfo(NamedTuple):
+    worker_id: str
+    node_id: str
+    shm_name: str
+    page_address: str
+    page_key: bytes | None  # its page server's CurveZMQ public key (None: no auth)
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+class PageSource(Protocol):
+    """Where one holder's pages come from.
+
+    `fetch` copies `pages` (the holder's page ids, advertised at `gens`) into `targets` of
+    `store` and returns one bool per page: True only if the page was unchanged during the
+    copy and its holder recorded the expected digest for it. It never raises for a vanished
+    page, a dead holder or a silent peer: those are misses (False). `close` releases what
+    the source holds (a mapping, a socket); a closed source is not used again.
+    """
+
+    worker_id: str
+    node_id: str
+    remote: bool
+
+    def fetch(
+        self,
+        pages: Sequence[int],
+        gens: Sequence[int],
+        digests: Sequence[bytes],
+        targets: Sequence[int],
+        store: SharedPageStore,
+    ) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+class SharedMemorySource:
+    """A same-node holder: its page store attached by shared-memory name (on first use).
+
+    A failed attach or copy is all misses, logged; the mapping is dropped so the next
+    fetch attaches afresh.
+
+    Args:
+        delay_s: test only: sleep this long per page before each fetch (a slow link).
+    """
+
+    remote = False
+
+    def __init__(self, worker_id: str, node_id: str, shm_name: str, delay_s: float = 0.0):
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.shm_name = shm_name
+        self.delay_s = delay_s
+        self.pages_copied = 0  # valid pages this source delivered
+        self._store: SharedPageStore | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def attached(self) -> bool:
+        return self._store is not None
+
+    def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
+        if self.delay_s:
+            time.sleep(self.delay_s * len(pages))
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = SharedPageStore.attach(self.shm_name)
+                valid = copy_from_peer(self._store, pages, gens, store, targets, digests=digests)
+            except (PageStoreError, FileNotFoundError, ValueError) as exc:
+                log.warning("copy from %s failed: %s", self.worker_id, exc)
+                self._detach()
+                return [False] * len(pages)
+        self.pages_copied += valid.count(True)
+        return valid
+
+    def owner_alive(self) -> bool:
+        return owner_alive(self.shm_name)
+
+    def close(self) -> None:
+        with self._lock:
+            self._detach()
+
+    def _detach(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+class PageServerSource:
+    """A holder on another node, read through its page server (one client, kept open).
+
+    Args:
+        delay_s: test only: sleep this long per page before each fetch (a slow link).
+    """
+
+    remote = True
+
+    def __init__(
+        self,
+        worker_id: str,
+        node_id: str,
+        address: str,
+        auth: TransferAuth | None = None,
+        server_key: bytes | None = None,
+        delay_s: float = 0.0,
+    ):
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.address = address
+        self.delay_s = delay_s
+        self.client = PageClient(address, auth=auth, server_key=server_key)
+
+    def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
+        if self.delay_s:
+            time.sleep(self.delay_s * len(pages))
+        return self.client.fetch(pages, gens, store, targets, digests=digests)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Sources:
+    """One `PageSource` per peer, made on first use: same node attaches the store, other
+    nodes open a page client. Thread-safe.
+
+    Args:
+        node_id: our node (who counts as same-node).
+        auth: our page-transfer credentials (None: authentication off).
+    """
+
+    def __init__(self, node_id: str, auth: TransferAuth | None):
+        self.node_id = node_id
+        self.auth = auth
+        self._sources: dict[str, tuple[PeerInfo, SharedMemorySource | PageServerSource]] = {}
+        self._delays: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def get(self, peer: PeerInfo) -> PageSource:
+        """The source for `peer`; a peer whose info changed gets a fresh one."""
+        with self._lock:
+            held = self._sources.get(peer.worker_id)
+            if held is not None and held[0] == peer:
+                return held[1]
+            if held is not None:
+                held[1].close()
+            delay = self._delays.get(peer.worker_id, 0.0)
+            if peer.node_id == self.node_id:
+                source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name, delay)
+            else:
+                source = PageServerSource(
+                    peer.worker_id, peer.node_id, peer.page_address, self.auth, peer.page_key, delay
+                )
+            self._sources[peer.worker_id] = (peer, source)
+            return source
+
+    def forget(self, worker_id: str) -> None:
+        """Close a peer's source (it left, or its info changed)."""
+        with self._lock:
+            held = self._sources.pop(worker_id, None)
+        if held is not None:
+            held[1].close()
+
+    def detach_dead(self) -> list[str]:
+        """Detach same-node stores whose owners died (the mapping would keep their memory
+        alive); returns their names. The source stays and attaches again if asked."""
+        with self._lock:
+            shm = [s for _, s in self._sources.values() if isinstance(s, SharedMemorySource)]
+        dead = [s for s in shm if s.attached and not s.owner_alive()]
+        for source in dead:
+            source.close()
+        return [s.shm_name for s in dead]
+
+    def attached(self) -> list[str]:
+        """Names of the peers' stores mapped here now."""
+        with self._lock:
+            return sorted(
+                s.shm_name
+                for _, s in self._sources.values()
+                if isinstance(s, SharedMemorySource) and s.attached
+            )
+
+    def throttle(self, worker_id: str, delay_s: float) -> None:
+        """Test only: slow the link to `worker_id` by `delay_s` a page (now and later)."""
+        with self._lock:
+            self._delays[worker_id] = delay_s
+            held = self._sources.get(worker_id)
+            if held is not None:
+                held[1].delay_s = delay_s
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._sources = list(self._sources.values()), {}
+        for _, source in held:
+            source.close()
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+class CopyTask(NamedTuple):
+    """Prompt pages [first, end) from one holder: its page ids and their generations."""
+
+    holder: str
+    page_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    first: int
+    end: int
+
+
+class CopyPlan(NamedTuple):
+    """The tasks to run (in prompt order, covering [first, end) without gaps) and the
+    estimates the decision to run them was taken on."""
+
+    tasks: tuple[CopyTask, ...]
+    first: int
+    end: int
+    copy_s: float  # the concurrent copy and the prefill after it
+    recompute_s: float  # the prefill of everything after the local prefix instead
+
+
+def plan_copy(
+    spans: Sequence[HolderSpan],
+    first: int,
+    end: int,
+    links: Mapping[str, Link],
+    page_bytes: int,
+) -> tuple[CopyTask, ...]:
+    """Split prompt pages [first, end) among the holders that have them (see the module
+    docstring for the rule). Holders not in `links` (unknown peers) are skipped.
+
+    Returns:
+        Tasks in prompt order, contiguous from `first`; empty when no usable holder has
+        page `first`. They end where the longest usable holder's pages end, if before `end`.
+    """
+    usable = [s for s in spans if s.worker_id in links and len(s.page_ids) > first]
+    if not usable or end <= first:
+        return ()
+    end = min(end, max(len(s.page_ids) for s in usable))
+    # Range boundaries: where some holder's pages end.
+    cuts = sorted({first, end} | {len(s.page_ids) for s in usable if first < len(s.page_ids) < end})
+    busy = {s.worker_id: 0.0 for s in usable}  # seconds planned per holder so far
+    tasks: list[CopyTask] = []
+    for lo, hi in reversed(list(zip(cuts, cuts[1:], strict=False))):
+        covering = [s for s in usable if len(s.page_ids) >= hi]
+        counts = _share(hi - lo, [links[s.worker_id] for s in covering], covering, busy, page_bytes)
+        # Earlier pages to the faster holders: a failure there costs the most prefix.
+        order = sorted(
+            range(len(covering)),
+            key=lambda i: (-links[covering[i].worker_id].bytes_per_s, covering[i].worker_id),
+        )
+        page = lo
+        for i in order:
+            if counts[i]:
+                span = covering[i]
+                upto = page + counts[i]
+                tasks.append(
+                    CopyTask(
+                        span.worker_id,
+                        tuple(span.page_ids[page:upto]),
+                        tuple(span.generations[page:upto]),
+                        page,
+                        upto,
+                    )
+                )
+                page = upto
+        assert page == hi, (lo, hi, counts)
+    return tuple(sorted(tasks, key=lambda t: t.first))
+
+
+def _share(
+    n: int,
+    links: Sequence[Link],
+    spans: Sequence[HolderSpan],
+    busy: dict[str, float],
+    page_bytes: int,
+) -> list[int]:
+    """Give `n` pages one by one to the holder that would finish it soonest (ties: the
+    earlier in `spans`); `busy` grows by what each is given. One more fetch per range
+    costs its latency once."""
+    counts = [0] * len(spans)
+    for _ in range(n):
+
+        def finish(i: int) -> float:
+            extra = links[i].latency_s if counts[i] == 0 else 0.0
+            return busy[spans[i].worker_id] + extra + page_bytes / links[i].bytes_per_s
+
+        best = min(range(len(spans)), key=finish)
+        busy[spans[best].worker_id] = finish(best)
+        counts[best] += 1
+    return counts
+
+
+# ---------------------------------------------------------------------------- running
+
+
+class TaskResult(NamedTuple):
+    task: CopyTask
+    valid: tuple[bool, ...]
+    start_s: float  # time.perf_counter() when the fetch began
+    end_s: float  # and when it returned
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+class CopyOutcome(NamedTuple):
+    results: tuple[TaskResult, ...]  # one per task, in prompt order
+    end: int  # the first prompt page not usable: the copied prefix is [first, end)
+
+
+class CopyExecutor:
+    """Runs a plan's holders concurrently on a small thread pool of its own.
+
+    Args:
+        max_threads: holders fetched at once (more wait for a thread).
+    """
+
+    def __init__(self, max_threads: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="kvmesh-copy")
+
+    def run(
+        self,
+        plan: CopyPlan,
+        sources: Mapping[str, PageSource],
+        store: SharedPageStore,
+        targets: Sequence[int],
+        digests: Sequence[bytes],
+    ) -> CopyOutcome:
+        """Copy every task of `plan` into `store`.
+
+        Args:
+            sources: the source of each holder in the plan.
+            targets: our page for each prompt page (indexed by prompt page).
+            digests: the digest each prompt page must hold (indexed by prompt page).
+        Returns:
+            Per task its validity and timing, and where the usable prefix ends.
+        """
+        by_holder: dict[str, list[CopyTask]] = {}
+        for task in plan.tasks:
+            by_holder.setdefault(task.holder, []).append(task)
+
+        def run_holder(tasks: list[CopyTask]) -> list[TaskResult]:
+            return [_run_task(t, sources[t.holder], store, targets, digests) for t in tasks]
+
+        groups = list(by_holder.values())
+        if len(groups) == 1:
+            done = run_holder(groups[0])  # one holder: no thread hop
+        else:
+            futures = [self._pool.submit(run_holder, g) for g in groups]
+            done = [r for f in futures for r in f.result()]
+        results = tuple(sorted(done, key=lambda r: r.task.first))
+        end = plan.first
+        for result in results:
+            good = next((i for i, ok in enumerate(result.valid) if not ok), len(result.valid))
+            end = result.task.first + good
+            if good < len(result.valid):
+                break  # a changed or foreign page ends the usable prefix
+        return CopyOutcome(results, end)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _run_task(
+    task: CopyTask,
+    source: PageSource,
+    store: SharedPageStore,
+    targets: Sequence[int],
+    digests: Sequence[bytes],
+) -> TaskResult:
+    start = time.perf_counter()
+    try:
+        valid = source.fetch(
+            task.page_ids,
+            task.generations,
+            digests[task.first : task.end],
+            targets[task.first : task.end],
+            store,
+        )
+    except Exception:  # a source must not raise; if one does, its pages are misses
+        log.exception("copy from %s raised", task.holder)
+        valid = [False] * len(task.page_ids)
+    return TaskResult(task, tuple(valid), start, time.perf_counter())
