@@ -55,7 +55,7 @@ about 20 s per pass and two passes (the replay, then the infinite cache), ~1 GB 
 every cached page is keyed by its 2 KiB of tokens, in a worker's trie and in the index.
 
 Loads for prefix routing: the index's routing weighs each worker's queue in prompt
-tokens against what it would compute and copy (`cache_service.index.routing`). Trace
+tokens against what it would compute and copy (`cache_service.routing`). Trace
 timestamps are not used (serving speed is not modelled), so the replay stands in for a
 worker's queue with what it computed over the last `load_window` requests beyond the
 workers' mean: what it would still have to compute, were the workers equally fast and

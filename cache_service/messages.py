@@ -77,7 +77,7 @@ class WorkerReport(NamedTuple):
     ttft_hit: Observed  # TTFT_BUCKETS, requests that reused cached tokens
     ttft_miss: Observed  # TTFT_BUCKETS, requests that computed their whole prompt
     alignment_lost_tokens: int  # cached, but rounded off by chunk alignment: computed
-    # Its load now: what routing weighs (see `cache_service.index.routing`).
+    # Its load now: what routing weighs (see `cache_service.routing`).
     running: int  # sequences in prefill or decode
     waiting: int  # requests queued, not yet admitted
     queued_tokens: int  # prompt tokens of those, not yet computed
@@ -88,7 +88,7 @@ class WorkerReport(NamedTuple):
     copy_ns_remote: int
 
 
-# The report's load fields: what routing weighs (`cache_service.index.routing`).
+# The report's load fields: what routing weighs (`cache_service.routing`).
 LOAD_FIELDS = (
     "running",
     "waiting",
@@ -156,7 +156,8 @@ class Match(NamedTuple):
 
 
 class Route(NamedTuple):
-    """Which worker should take a prompt (see `cache_service.index.routing`)."""
+    """Which worker should take a prompt, by the routing policy named (see
+    `cache_service.routing`)."""
 
     namespace: Namespace
     tokens: Any
@@ -165,6 +166,7 @@ class Route(NamedTuple):
     loads: Mapping[str, float]
     # worker id -> tokens of this prompt it is computing for a request in flight.
     pending: Mapping[str, float] = {}
+    policy: str = "kvmesh"  # a name of cache_service.routing.POLICIES
 
 
 class GetStats(NamedTuple):
@@ -286,8 +288,10 @@ class RouteDecision(NamedTuple):
     """Which worker should take a prompt (the answer to Route); `worker_id` is None when no
     candidate is live.
 
-    `reason` is "prefix" (the chosen worker holds a prefix of the prompt), "least_loaded"
-    (it holds none: the fallback) or "no_live_worker".
+    `reason` says why, in the policy's terms: "prefix" (the chosen worker holds a prefix
+    of the prompt), "pending" (it is computing one), "copy" (it copies one in),
+    "least_loaded", "round_robin", "balance" (the loads were imbalanced), or
+    "no_live_worker" (worker_id None).
     """
 
     worker_id: str | None

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from cache_service.index.routing import WorkerLoad
 from cache_service.messages import WorkerReport
+from cache_service.routing import WorkerLoad
 
 SOURCES = ("local_hit", "remote_hit", "computed")
 

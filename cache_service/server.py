@@ -551,7 +551,12 @@ class ServiceServer:
 
     def _route(self, request: Route) -> RouteDecision:
         return self.index.route(
-            request.namespace, request.tokens, request.loads, request.pending, self.reports.loads()
+            request.namespace,
+            request.tokens,
+            request.loads,
+            request.pending,
+            self.reports.loads(),
+            request.policy,
         )
 
     def _stats(self, request: GetStats) -> StatsReply:

@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from cache_service.addresses import check_bind_host
+from cache_service.routing import DEFAULT_POLICY
+from cache_service.routing import POLICIES as ROUTING_POLICIES
 from cache_service.server import ServerConfig
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.compaction import CompactionConfig
@@ -204,6 +206,23 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How the front door picks a worker for each request."""
+
+    # A policy of `cache_service.routing.POLICIES`: "kvmesh" (the soonest first token:
+    # what each worker holds, would copy and compute, against its queue), "round-robin",
+    # "least-loaded", or "prefix-affinity" (SGLang's cache-aware rule).
+    policy: str = DEFAULT_POLICY
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"routing.policy {self.policy!r} is not a policy; known: "
+                f"{', '.join(ROUTING_POLICIES)}"
+            )
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     """The whole configuration, one section per component."""
 
@@ -214,6 +233,7 @@ class KvmeshConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         per_layer = self.compaction.budget

@@ -38,9 +38,10 @@ from typing import Any
 import ray
 
 from cache_service.actor import RAY_NAMESPACE
+from cluster.actors import find_service
 from cluster.config import KvmeshConfig, load_config
 from cluster.errors import LaunchError
-from cluster.mesh import Mesh, find_service
+from cluster.mesh import Mesh
 from cluster.placement import live_nodes
 
 RECORD_NAME = "mesh.json"

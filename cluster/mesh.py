@@ -30,115 +30,61 @@ those keys only, each bound to its identity.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cache_service.actor import (
-    RAY_NAMESPACE,
     get_service,
-    resolve_host,
     start_service,
     stop_service,
 )
-from cache_service.auth import KeyPair, MeshKeys, tenant_salt
+from cache_service.auth import MeshKeys, tenant_salt
 from cache_service.events import Namespace
-from cache_service.protocol import Limits
 from cluster import placement
+from cluster.actors import (
+    STATS_TIMEOUT_S,
+    await_exit,
+    find_service,
+    find_workers,
+    gather,
+    join_ray,
+    local_pids,
+    prepare_model,
+    start_workers,
+    wait_ready,
+)
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
+from cluster.dispatch import Dispatcher
 from cluster.errors import MeshError
+from cluster.inflight import InFlight
+from cluster.requests import (
+    FrontRequest,
+    GenerateResult,
+    check_request,
+    check_tenant,
+    many_prompts,
+    result_of,
+    tokens_of,
+)
 from cluster.roster import Roster
-from cluster.router import InFlight
 from cluster.status import summarize
 from cluster.streams import TokenStream, chat_prompt
+from workers.member import SERVICE_BACKOFF_S
 from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
-from workers.serving.models import model_shape
-from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
 from workers.serving.sampling import SamplingParams
-from workers.worker import SERVICE_BACKOFF_S, Worker, WorkerSettings
+
+__all__ = ["GenerateResult", "Mesh", "MeshError", "connect"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
-STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 SHUTDOWN_TIMEOUT_S = 60.0  # for every worker to unlink its store and stop serving
 EXIT_TIMEOUT_S = 15.0  # for killed workers' processes to exit
-# Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
-# the front door's stats, pings and peer updates beside them.
-WORKER_CONCURRENCY = 256
-
-
-class GenerateResult(NamedTuple):
-    token_ids: list[int]
-    text: str  # the decoded tokens, special tokens (the end of sequence) left out
-    stats: dict[str, Any]
-    logits: list[float] | None = None  # the last prompt position's, when asked for
-    # "stop": an end-of-sequence or stop token ended it (the last token); "length":
-    # max_new_tokens reached; "out_of_pages": the worker's store could not grow it.
-    finish_reason: str = "length"
-
-
-class _FrontRequest(NamedTuple):
-    tokens: list[int]
-    namespace: Namespace
-    arguments: dict[str, Any]  # the worker's generate/stream keyword arguments
-
-
-def _result(out: dict[str, Any], start: float | None = None) -> GenerateResult:
-    """A worker's answer as the front door returns it. With `start` (when the caller
-    asked), `ttft_client_s` is the time to first token as the caller saw it: routing,
-    queueing and the worker's own time to first token (the worker's time after its first
-    token, until it answered, taken off the caller's whole wait)."""
-    stats = dict(out["stats"])
-    if start is not None:
-        waited = time.perf_counter() - start
-        stats["ttft_client_s"] = max(0.0, waited - (stats["total_s"] - stats["ttft_s"]))
-    return GenerateResult(
-        out["token_ids"], out["text"], stats, out.get("logits"), out["finish_reason"]
-    )
-
-
-def _many_prompts(prompt: Any) -> bool:
-    """Whether `prompt` is several prompts (a list of texts or of token-id lists) rather
-    than one (a text, or one list of token ids)."""
-    return (
-        isinstance(prompt, (list, tuple))
-        and bool(prompt)
-        and all(isinstance(p, (str, list, tuple)) for p in prompt)
-    )
-
-
-class WorkerActor(Worker):
-    """The worker as a Ray actor: settings arrive as a plain dict; the node it runs on
-    (where its placement-group bundle landed) fills in `node_id` and `host`."""
-
-    def __init__(self, settings: dict[str, Any]):
-        from workers.cache.prefix_cache import PrefixCacheConfig
-        from workers.serving.compaction import CompactionConfig
-        from workers.serving.scheduler import SchedulerConfig
-
-        settings = dict(settings)
-        settings["cache"] = PrefixCacheConfig(**settings["cache"])
-        if "scheduler" in settings:
-            settings["scheduler"] = SchedulerConfig(**settings["scheduler"])
-        if "compaction" in settings:
-            settings["compaction"] = CompactionConfig(**settings["compaction"])
-        if settings.get("keypair") is not None:
-            settings["keypair"] = KeyPair(*settings["keypair"])
-        settings["page_peers"] = frozenset(settings.get("page_peers", ()))
-        settings["node_id"] = ray.get_runtime_context().get_node_id()
-        settings["host"] = resolve_host(settings["host"])
-        super().__init__(WorkerSettings(**settings))
-
-    def process(self) -> tuple[str, int]:
-        """(node id, pid) of this worker's process."""
-        return self.settings.node_id, os.getpid()
 
 
 def connect(
@@ -165,7 +111,7 @@ def connect(
     """
     # Read (and check) the configuration before joining Ray: a bad file changes nothing.
     cfg = config if isinstance(config, KvmeshConfig | None) else load_config(config)
-    started_ray = _join_ray(address, log)
+    started_ray = join_ray(address, log)
     try:
         service = find_service()
         if service is not None:
@@ -196,18 +142,17 @@ class Mesh:
     ):
         self.config = cfg
         self.roster = Roster(workers, cfg.workers.max_restarts != 0, self._report_dead)
-        self.inflight = InFlight(cfg.cache.page_tokens)  # what routing knows at once
         self.workers = workers  # worker id -> actor handle
         self._tokenizer = tokenizer
         self.owned = owned
         self._started_ray = started_ray
         self._secret = keys.secret
-        # The keys, when the mesh uses them (authentication on); None otherwise.
-        self._keys = keys if cfg.security.auth else None
+        # The mesh's keys, when it uses them (authentication on); None otherwise.
+        self.keys = keys if cfg.security.auth else None
         front_door = keys.front_door if cfg.security.auth else None
         # Routing asks the service on every request: one short try, then skip it for a
-        # while when it is down (requests are routed by load among live workers meanwhile).
-        self._client = ServiceClient(
+        # while when it is down (requests are routed on what this front door knows).
+        self.service_client = ServiceClient(
             ray_resolver(),
             timeout_s=1.0,
             retries=0,
@@ -218,6 +163,9 @@ class Mesh:
         self._prober = ServiceClient(
             ray_resolver(), timeout_s=1.0, retries=0, client_keys=front_door
         )
+        # What routing knows at once: this front door's requests in flight.
+        inflight = InFlight(cfg.cache.page_tokens)
+        self.dispatcher = Dispatcher(self.roster, inflight, self.service_client, cfg.routing.policy)
         self._named: set[str] = set()  # tenants whose names the service has
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it
@@ -237,7 +185,6 @@ class Mesh:
         mesh = cls(cfg, workers, None, started_ray, keys, owned=True)
         mesh._group = group
         try:
-            bundle = group.bundle_specs[0]
             manifest = {
                 "config": config_to_dict(cfg),
                 "workers": worker_ids,
@@ -249,45 +196,12 @@ class Mesh:
             print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
             head = placement.live_nodes()[0].node_id  # the service runs on the head node
             start_service(service_cfg, keys, auth, manifest, node_id=head)
-            mesh._tokenizer = _prepare_model(cfg.model.name, log)
-            actor_cls = ray.remote(WorkerActor)
-            for i, worker_id in enumerate(worker_ids):
-                settings = {
-                    "worker_id": worker_id,
-                    "host": cfg.workers.host,
-                    "model": cfg.model.name,
-                    "dtype": cfg.model.dtype,
-                    "copy_policy": cfg.workers.copy_policy,
-                    "scheduler": dataclasses.asdict(cfg.workers.serving.scheduler()),
-                    "compaction": dataclasses.asdict(cfg.compaction),
-                    "num_pages": cfg.store.num_pages,
-                    "cache": dataclasses.asdict(cfg.cache),
-                    "threads": cfg.workers.threads,
-                    "publish_interval_s": cfg.workers.publish_interval_s,
-                    "keypair": tuple(keys.workers[worker_id]) if auth else None,
-                    "page_peers": sorted(keys.worker_publics()) if auth else [],
-                    "mesh_secret": keys.secret,
-                    "encrypt_pages": cfg.security.encrypt_pages,
-                }
-                workers[worker_id] = actor_cls.options(
-                    name=worker_actor_name(worker_id),
-                    namespace=RAY_NAMESPACE,
-                    lifetime="detached" if detached else None,
-                    num_cpus=bundle.get("CPU", 0.0),
-                    num_gpus=bundle.get("GPU", 0.0),
-                    max_restarts=cfg.workers.max_restarts,
-                    max_task_retries=0,  # a request in flight fails over at the front door
-                    # Requests in flight at once: they queue in the worker's scheduler,
-                    # which batches them (a serial actor would hand it one at a time).
-                    max_concurrency=WORKER_CONCURRENCY,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=i
-                    ),
-                ).remote(settings)
-            infos = _wait_ready(workers, log)
-            mesh.roster.met({info["worker_id"]: info for info in infos})
+            mesh._tokenizer = prepare_model(cfg.model.name, log)
+            workers.update(start_workers(cfg, keys, group, detached))
+            infos = wait_ready(workers, log)
+            mesh.roster.met({info.worker_id: info for info in infos})
             ray.get([w.set_peers.remote(infos) for w in workers.values()])
-            mesh._local_pids = _local_pids(workers)
+            mesh._local_pids = local_pids(workers)
             mesh.roster.start_watchdog(mesh._probe_service)
         except BaseException:
             mesh.stop()
@@ -322,14 +236,7 @@ class Mesh:
             )
         credentials = ray.get(service.credentials.remote())
         keys = MeshKeys.from_dict(credentials["keys"])
-        workers, missing = {}, []
-        for worker_id in manifest["workers"]:
-            try:
-                workers[worker_id] = ray.get_actor(
-                    worker_actor_name(worker_id), namespace=RAY_NAMESPACE
-                )
-            except ValueError:
-                missing.append(worker_id)
+        workers, missing = find_workers(manifest["workers"])
         if missing and not partial:
             raise MeshError(
                 f"the mesh in this Ray cluster has lost workers {', '.join(missing)} "
@@ -342,8 +249,8 @@ class Mesh:
             file=log,
         )
         mesh = cls(running, workers, None, started_ray, keys, owned=False)
-        mesh._local_pids = _local_pids(workers)
-        infos = _gather({wid: w.info.remote() for wid, w in workers.items()}, STATS_TIMEOUT_S)
+        mesh._local_pids = local_pids(workers)
+        infos = gather({wid: w.info.remote() for wid, w in workers.items()}, STATS_TIMEOUT_S)
         mesh.roster.met(
             {w: i for w, i in infos.items() if not isinstance(i, Exception)},
             dead={w for w, i in infos.items() if isinstance(i, ray.exceptions.RayActorError)},
@@ -356,7 +263,7 @@ class Mesh:
         """The model's tokenizer (None for the tiny test model); an attached front door
         loads it on first use."""
         if self._tokenizer is None and self.config.model.name != "tiny":
-            self._tokenizer = _prepare_model(self.config.model.name, sys.stderr)
+            self._tokenizer = prepare_model(self.config.model.name, sys.stderr)
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests
@@ -414,59 +321,24 @@ class Mesh:
         """
         start = time.perf_counter()
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        many = _many_prompts(prompt)
+        many = many_prompts(prompt)
         requests = [
             self._request(
-                p, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+                p,
+                max_new_tokens,
+                tenant,
+                worker,
+                reuse,
+                sampling,
+                stop_token_ids,
+                ignore_eos,
+                return_logits,
             )
             for p in (prompt if many else [prompt])
         ]
-        results = self._generate(requests, worker, return_logits, start)
+        outputs = self.dispatcher.generate(requests, worker)
+        results = [result_of(output, start) for output in outputs]
         return results if many else results[0]
-
-    def _generate(
-        self,
-        requests: list[_FrontRequest],
-        worker: str | None,
-        return_logits: bool,
-        start: float,
-    ) -> list[GenerateResult]:
-        """Route each request, send each worker its requests as one batch (they are
-        queued together, so they share what they have in common), gather the results
-        in order; requests whose worker died run again on live workers."""
-        results: list[GenerateResult | None] = [None] * len(requests)
-        pending = dict(enumerate(requests))
-        while pending:
-            with contextlib.ExitStack() as running:
-                by_worker: dict[str, list[int]] = {}
-                for i, request in pending.items():
-                    chosen = running.enter_context(self._placed(request, worker))
-                    by_worker.setdefault(chosen, []).append(i)
-                calls = {}
-                for chosen, indexes in by_worker.items():
-                    batch = [
-                        {
-                            "prompt": pending[i].tokens,
-                            "return_logits": return_logits,
-                            **pending[i].arguments,
-                        }
-                        for i in indexes
-                    ]
-                    calls[chosen] = self.workers[chosen].generate_batch.remote(batch)
-                for chosen, call in calls.items():
-                    try:
-                        outs = ray.get(call)
-                    except ray.exceptions.RayActorError as exc:
-                        self.roster.lost(chosen, exc)
-                        if worker is not None:
-                            raise MeshError(
-                                f"worker {chosen!r} died during the request: {exc}"
-                            ) from None
-                        continue  # routed: its requests run again on live workers
-                    for i, out in zip(by_worker[chosen], outs, strict=True):
-                        results[i] = _result(out, start)
-                        del pending[i]
-        return results
 
     def stream(
         self,
@@ -498,7 +370,7 @@ class Mesh:
         request = self._request(
             prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
         )
-        return TokenStream(self, request, worker)
+        return TokenStream(self.dispatcher.stream(request, worker), self.tokenizer, result_of)
 
     def chat(
         self,
@@ -527,39 +399,39 @@ class Mesh:
         return run(tokens, max_new_tokens, tenant, **options)
 
     def _request(
-        self, prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
-    ) -> _FrontRequest:
+        self,
+        prompt,
+        max_new_tokens,
+        tenant,
+        worker,
+        reuse,
+        sampling,
+        stop_token_ids,
+        ignore_eos,
+        return_logits=False,
+    ) -> FrontRequest:
         """Check everything a worker would, before anything is routed or held."""
         if self._closed:
             raise RuntimeError("mesh is shut down")
-        tokens = self._tokens(prompt)
-        if not tokens:
-            raise ValueError("empty prompt")
-        shape = model_shape(self.config.model.name)
-        tokens = check_tokens(tokens, shape.vocab_size)
-        check_max_new_tokens(max_new_tokens, len(tokens), shape.context_tokens)
-        stops = check_tokens(list(stop_token_ids), shape.vocab_size, "stop token")
-        for name, flag in (("ignore_eos", ignore_eos), ("reuse", reuse)):
-            if type(flag) is not bool:
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        model = self.config.model.name
+        tokens = tokens_of(prompt, self.tokenizer, model)
         if worker is not None and worker not in self.workers:
             raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
         salt = self.salt(tenant)
-        if len(tenant.encode("utf-8")) > Limits().max_str_len:
-            raise ValueError(
-                f"tenant name of {len(tenant.encode('utf-8'))} bytes; the service takes "
-                f"names of at most {Limits().max_str_len}"
-            )
+        check_tenant(tenant)
+        request = check_request(
+            tokens,
+            model,
+            salt,
+            max_new_tokens,
+            sampling,
+            stop_token_ids,
+            reuse,
+            ignore_eos,
+            return_logits,
+        )
         self._name_tenant(tenant, salt)
-        arguments = {
-            "max_new_tokens": max_new_tokens,
-            "salt": salt,
-            "reuse": reuse,
-            "sampling": sampling.to_dict(),
-            "stop_token_ids": stops,
-            "ignore_eos": ignore_eos,
-        }
-        return _FrontRequest(tokens, Namespace(self.config.model.name, "", salt), arguments)
+        return request
 
     def flush(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
         """Wait until every live worker's events are applied by the service (workers
@@ -571,7 +443,7 @@ class Mesh:
         """
         calls = {w: self.workers[w].flush.remote() for w in self.live_workers()}
         failed = []
-        for worker_id, answer in _gather(calls, timeout_s).items():
+        for worker_id, answer in gather(calls, timeout_s).items():
             if isinstance(answer, ray.exceptions.RayActorError):
                 self.roster.lost(worker_id, answer)
             elif answer is not True:
@@ -587,7 +459,7 @@ class Mesh:
         """The service drops a dead worker's holdings at once; without the service they
         leave the index when its liveness expires."""
         with contextlib.suppress(ServiceUnavailable, ServiceError):
-            self._client.report_dead(worker_id)
+            self.service_client.report_dead(worker_id)
 
     def salt(self, tenant: str) -> str:
         """The namespace salt of a tenant (derived from the mesh secret, never taken from a
@@ -603,7 +475,7 @@ class Mesh:
         if tenant in self._named:
             return
         try:
-            self._client.name_tenant(salt, tenant)
+            self.service_client.name_tenant(salt, tenant)
             self._named.add(tenant)
         except ServiceUnavailable:
             pass  # told on a later request
@@ -614,10 +486,10 @@ class Mesh:
         raw service and worker figures (see `cluster.status.summarize`). A worker that
         does not answer is reported as not alive, with the error."""
         try:
-            service = self._client.stats()
+            service = self.service_client.stats()
         except ServiceUnavailable as exc:
             service = {"unavailable": True, "error": str(exc)}
-        answers = _gather(
+        answers = gather(
             {wid: w.stats.remote() for wid, w in self.workers.items()}, STATS_TIMEOUT_S
         )
         for worker_id, answer in answers.items():
@@ -627,7 +499,7 @@ class Mesh:
             worker_id: (
                 {"alive": False, "error": f"{type(answer).__name__}: {answer}"}
                 if isinstance(answer, Exception)
-                else answer
+                else answer.as_dict()
             )
             for worker_id, answer in answers.items()
         }
@@ -639,7 +511,7 @@ class Mesh:
         """Check every live worker's and the service's invariants (raises what they raise);
         a worker found dead is skipped (and routed around from now on)."""
         calls = {wid: w.check_integrity.remote() for wid, w in self.workers.items()}
-        for worker_id, answer in _gather(calls, STATS_TIMEOUT_S).items():
+        for worker_id, answer in gather(calls, STATS_TIMEOUT_S).items():
             if isinstance(answer, ray.exceptions.RayActorError):
                 self.roster.lost(worker_id, answer)
             elif isinstance(answer, ray.exceptions.RayTaskError):
@@ -664,7 +536,7 @@ class Mesh:
             return
         self._closed = True
         self.roster.stop_watchdog()
-        self._client.close()
+        self.service_client.close()
         self._prober.close()
         if self._started_ray:
             ray.shutdown()
@@ -679,12 +551,12 @@ class Mesh:
         self._closed = True
         self.roster.stop_watchdog()
         calls = {worker_id: w.shutdown.remote() for worker_id, w in self.workers.items()}
-        for worker_id, answer in _gather(calls, SHUTDOWN_TIMEOUT_S).items():
+        for worker_id, answer in gather(calls, SHUTDOWN_TIMEOUT_S).items():
             if isinstance(answer, Exception):
                 print(f"kvmesh: worker {worker_id} did not stop cleanly: {answer}", file=sys.stderr)
         for handle in self.workers.values():
             ray.kill(handle, no_restart=True)
-        self._client.close()
+        self.service_client.close()
         self._prober.close()
         stop_service()
         group = self._group or placement.find_group()
@@ -692,7 +564,7 @@ class Mesh:
             placement.release(group)
         # ray.kill returns before the process exits; a dead owner's segments can only be
         # told from a live one's after that.
-        _await_exit(self._local_pids, EXIT_TIMEOUT_S)
+        await_exit(self._local_pids, EXIT_TIMEOUT_S)
         from workers.store.page_store import reclaim_dead_segments
 
         reclaim_dead_segments()
@@ -701,19 +573,10 @@ class Mesh:
 
     # ------------------------------------------------------------------ internals
 
-    def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.config.model.name!r} has no tokenizer: pass token ids"
-                )
-            return list(self.tokenizer.encode(prompt))
-        return prompt_tokens(prompt)
-
     def _probe_service(self) -> None:
         """While routing skips the service (it did not answer), ask it here, off the
         request path, whether it is back; when it answers, routing asks it again."""
-        if not self._client.circuit_open:
+        if not self.service_client.circuit_open:
             return
         try:
             self._prober.route(Namespace("", "", ""), b"", {})
@@ -721,145 +584,4 @@ class Mesh:
             return
         except ServiceError:
             pass  # an answer all the same
-        self._client.reconnect()
-
-    @contextlib.contextmanager
-    def _placed(self, request: _FrontRequest, worker: str | None = None) -> Iterator[str]:
-        """Route a request (to `worker` when one is named) and count it in flight there
-        while the block runs, for the routing of the requests after it; yields the
-        worker.
-
-        Raises:
-            MeshError: every worker is dead, or the named one is.
-        """
-        if worker is None:
-            chosen, computes = self._route(request.namespace, request.tokens)
-        else:
-            chosen, computes = worker, len(request.tokens)
-        if self.roster.is_dead(chosen):
-            raise MeshError(f"worker {chosen!r} is dead")
-        handle = self.inflight.add(chosen, request.namespace, request.tokens, computes)
-        try:
-            with self.roster.running(chosen):
-                yield chosen
-        finally:
-            self.inflight.remove(handle)
-
-    def _route(self, namespace: Namespace, tokens: list[int]) -> tuple[str, int]:
-        """The live worker that gets the prompt's first token out soonest, as the service
-        estimates it from what each worker holds, would copy and compute, and its queue
-        (this front door's requests in flight, and what the workers reported); without
-        the service, the live worker with the fewest prompt tokens in flight. Returns it
-        and the prompt tokens it is expected to compute.
-
-        Raises:
-            MeshError: every worker is dead.
-        """
-        live = self.roster.live()
-        if not live:
-            raise MeshError(f"no live worker left (dead: {', '.join(self.roster.dead())})")
-        loads = self.inflight.loads(live)
-        pending = self.inflight.pending(namespace, tokens)
-        try:
-            decision = self._client.route(namespace, tokens, loads, pending)
-            if decision.worker_id in loads:
-                held = max(decision.matched_tokens, int(pending.get(decision.worker_id, 0)))
-                return decision.worker_id, max(1, len(tokens) - held)
-        except ServiceUnavailable:
-            pass  # route without the index: least loaded
-        return min(loads, key=lambda w: (loads[w], w)), len(tokens)
-
-
-def _prepare_model(name: str, log) -> Any:
-    """Make sure the model's dequantised cache exists (once, here, rather than in every
-    worker at the same time) and return its tokenizer (None for the tiny test model)."""
-    if name == "tiny":
-        return None
-    from workers.serving.model_runner import default_cache_dir, load_smollm2
-
-    if not default_cache_dir().exists():
-        print("preparing the model (first run: dequantising, ~20 s)...", file=log)
-    start = time.perf_counter()
-    model, tokenizer = load_smollm2()
-    del model
-    print(f"model ready in {time.perf_counter() - start:.1f}s", file=log)
-    return tokenizer
-
-
-def worker_actor_name(worker_id: str) -> str:
-    """The Ray name of a worker's actor (in RAY_NAMESPACE), by which front doors find it."""
-    return f"kvmesh-worker-{worker_id}"
-
-
-def find_service() -> Any | None:
-    """The service actor of the mesh in this Ray cluster, or None."""
-    try:
-        return get_service()
-    except ValueError:
-        return None
-
-
-def _local_pids(workers: dict[str, Any]) -> list[int]:
-    """The pids of the workers that run on this node (a dead one is skipped)."""
-    here = ray.get_runtime_context().get_node_id()
-    calls = {worker_id: w.process.remote() for worker_id, w in workers.items()}
-    answers = _gather(calls, STATS_TIMEOUT_S).values()
-    return [a[1] for a in answers if not isinstance(a, Exception) and a[0] == here]
-
-
-def _gather(calls: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Each call's result, or the exception it raised (a dead actor, or no answer within
-    `timeout_s` in all): one slow or dead worker costs the others nothing."""
-    ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
-    answers: dict[str, Any] = {}
-    for key, call in calls.items():
-        try:
-            answers[key] = ray.get(call, timeout=0)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            answers[key] = exc
-    return answers
-
-
-def _await_exit(pids: list[int], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _join_ray(address: str | None, log) -> bool:
-    """Connect this process to Ray; True when it did (and so must disconnect)."""
-    if ray.is_initialized():
-        current = ray.get_runtime_context().gcs_address
-        if address not in (None, "auto", current):
-            raise ValueError(
-                f"this process is already connected to Ray at {current}; it cannot join "
-                f"{address} too"
-            )
-        return False
-    if address is None:
-        print("starting an embedded Ray instance...", file=log)
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            namespace=RAY_NAMESPACE,
-            log_to_driver=False,
-        )
-    else:
-        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
-    return True
-
-
-def _wait_ready(workers: dict[str, Any], log) -> list[dict[str, Any]]:
-    pending = {w.info.remote(): wid for wid, w in workers.items()}
-    infos = []
-    start = time.monotonic()
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=5.0)
-        for ref in done:
-            pending.pop(ref)
-            infos.append(ray.get(ref))
-        print(
-            f"workers ready: {len(infos)}/{len(workers)} ({time.monotonic() - start:.0f}s)",
-            file=log,
-        )
-    return infos
+        self.service_client.reconnect()

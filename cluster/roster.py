@@ -26,6 +26,8 @@ from typing import Any
 
 import ray
 
+from workers.api import WorkerInfo
+
 REVIVAL_PROBE_S = 1.0  # how often a dead worker is asked whether Ray restarted it
 WATCH_INTERVAL_S = 0.5  # how often the front door checks that its workers are alive
 
@@ -50,7 +52,7 @@ class Roster:
         self._lock = threading.Lock()
         self._dead: set[str] = set()  # workers whose actors Ray reported gone
         self._inflight: Counter[str] = Counter()  # requests running on each worker
-        self._infos: dict[str, dict[str, Any]] = {}  # how workers reach each other
+        self._infos: dict[str, WorkerInfo] = {}  # how workers reach each other
         self._probes: dict[str, Any] = {}  # dead worker -> its pending `info` call
         self._next_probe = 0.0
         self._watchdog: threading.Thread | None = None
@@ -89,7 +91,7 @@ class Roster:
             with self._lock:
                 self._inflight[worker_id] -= requests
 
-    def met(self, infos: dict[str, dict[str, Any]], dead: set[str] = frozenset()) -> None:
+    def met(self, infos: dict[str, WorkerInfo], dead: set[str] = frozenset()) -> None:
         """Record the workers' `info` (and those already found dead, when attaching)."""
         with self._lock:
             self._infos.update(infos)

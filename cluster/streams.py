@@ -2,21 +2,17 @@
 and conversations turned into prompts by the model's chat template.
 
 A stream is a Ray streaming generator on the worker (`Worker.stream` yields each token
-as it is sampled); `TokenStream` iterates it, turns the tokens into text pieces, and
+as it is sampled, then the whole output), run and failed over by the front door's
+dispatcher (`cluster.dispatch`); `TokenStream` turns its tokens into text pieces, and
 keeps the whole result for when the stream ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
-import ray
-
-from cluster.errors import MeshError
-
-if TYPE_CHECKING:
-    from cluster.mesh import GenerateResult, Mesh, _FrontRequest
+from workers.api import GenerateOutput, StreamItem
 
 
 class StreamChunk(NamedTuple):
@@ -33,45 +29,35 @@ class TokenStream:
 
     `result` is the GenerateResult (finish reason, stats) once the iteration ended, None
     before. Leaving the loop early stops reading; the worker finishes the generation.
+
+    Args:
+        items: the worker's stream items (`Dispatcher.stream`).
+        tokenizer: turns tokens into text (None: text pieces are empty).
+        to_result: a worker's output as the caller gets it.
     """
 
-    def __init__(self, mesh: Mesh, request: _FrontRequest, worker: str | None):
-        self._mesh = mesh
-        self._request = request
-        self._worker = worker
+    def __init__(
+        self,
+        items: Iterator[StreamItem],
+        tokenizer: Any,
+        to_result: Callable[[GenerateOutput], Any],
+    ):
+        self._items = items
+        self._tokenizer = tokenizer
+        self._to_result = to_result
         self._started = False
-        self.result: GenerateResult | None = None
+        self.result: Any = None
 
     def __iter__(self) -> Iterator[StreamChunk]:
         if self._started:
             raise RuntimeError("a TokenStream is iterated once")
         self._started = True
-        mesh, request = self._mesh, self._request
-        while True:
-            text = _Detokenizer(mesh.tokenizer)
-            yielded = False
-            chosen = self._worker
-            try:
-                with mesh._placed(request, self._worker) as chosen:
-                    handle = mesh.workers[chosen]
-                    items = handle.stream.options(num_returns="streaming").remote(
-                        request.tokens, **request.arguments
-                    )
-                    for ref in items:
-                        item = ray.get(ref)
-                        if "result" in item:
-                            from cluster.mesh import _result
-
-                            self.result = _result(item["result"])
-                            return
-                        yielded = True
-                        token = item["token_id"]
-                        yield StreamChunk(token, text.add(token))
-            except ray.exceptions.RayActorError as exc:
-                mesh.roster.lost(chosen, exc)
-                if self._worker is not None or yielded:
-                    raise MeshError(f"worker {chosen!r} died during the stream: {exc}") from None
-                # routed and nothing handed over yet: run it again on a live worker
+        text = _Detokenizer(self._tokenizer)
+        for item in self._items:
+            if item.last:
+                self.result = self._to_result(item.output)
+                return
+            yield StreamChunk(item.token_id, text.add(item.token_id))
 
 
 class _Detokenizer:

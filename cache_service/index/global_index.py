@@ -31,7 +31,6 @@ from cache_service.index.registry import (
     Worker,
     WorkerInfo,
 )
-from cache_service.index.routing import WorkerLoad, choose_worker, live_candidates
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.index.walk import walk
 from cache_service.messages import (
@@ -41,6 +40,14 @@ from cache_service.messages import (
     PackedSpan,
     PeerEntry,
     RouteDecision,
+)
+from cache_service.routing import (
+    DEFAULT_POLICY,
+    RouteInputs,
+    RoutingPolicy,
+    WorkerLoad,
+    candidates_of,
+    make_policy,
 )
 from cache_service.tokens import TokenInput, as_packed
 
@@ -94,6 +101,7 @@ class GlobalIndex:
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
+        self._policies: dict[str, RoutingPolicy] = {}  # by name, made on first use
         self._owner: int | None = _get_ident()
         self._owner_name = threading.current_thread().name
         self._keys = PrefixKeys(page_tokens)
@@ -449,9 +457,11 @@ class GlobalIndex:
         loads: Mapping[str, float],
         pending: Mapping[str, float] | None = None,
         reported: Mapping[str, WorkerLoad] | None = None,
+        policy: str = DEFAULT_POLICY,
     ) -> RouteDecision:
-        """Choose the live worker that gets a prompt's first token out soonest: what it
-        holds, copies and computes against its queue (`routing.choose_worker`).
+        """Choose the live worker that should take a prompt, by the routing policy named
+        (`cache_service.routing`; kvmesh's own by default: what each worker holds,
+        copies and computes against its queue).
 
         Routing is a read: no statistics are counted and no access time changes (the
         chosen worker's own `match` counts the query).
@@ -464,27 +474,45 @@ class GlobalIndex:
             pending: worker id -> tokens of this prompt it computes for a request in
                 flight (not in the index yet).
             reported: worker id -> its load and costs from its latest heartbeat.
+            policy: a name of `cache_service.routing.POLICIES`.
 
         Returns:
             A RouteDecision; worker_id None ("no_live_worker") when no candidate is live.
 
         Raises:
             TypeError: namespace is not a Namespace.
-            ValueError: tokens not int32, or a load negative or not finite.
+            ValueError: tokens not int32, a load negative or not finite, or an unknown
+                policy.
         """
         self._own()
         data = _checked(namespace, tokens)
-        candidates = live_candidates(loads, self._registry.workers, reported)
+        chooser = self._policies.get(policy)
+        if chooser is None:
+            chooser = self._policies[policy] = make_policy(policy)  # raises if unknown
+        workers = self._registry.workers
+        nodes = {w: workers[w].node_id for w in loads if w in workers}
+        candidates = candidates_of(loads, nodes, reported)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
-        path = walk(self._nodes, self._nodes.roots.get(namespace), data)
-        holdings = self._holders.holdings(path) if path.length else []
-        held_tokens = {slot: pages * self.page_tokens for slot, pages, _ in holdings}
-        nodes = {slot: self._registry.slots[slot].node_id for slot in held_tokens}
-        pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
-        return choose_worker(
-            candidates, held_tokens, len(data) // 4, self.load_weight, pending, nodes
+        held: dict[str, int] = {}
+        holder_nodes: dict[str, str] = {}
+        path = None
+        if chooser.uses_holdings:
+            path = walk(self._nodes, self._nodes.roots.get(namespace), data)
+        if path is not None and path.length:
+            for slot, pages, _ in self._holders.holdings(path):
+                holder = self._registry.slots[slot]
+                held[holder.worker_id] = pages * self.page_tokens
+                holder_nodes[holder.worker_id] = holder.node_id
+        inputs = RouteInputs(
+            candidates,
+            len(data) // 4,
+            held,
+            holder_nodes,
+            {w: int(n) for w, n in (pending or {}).items() if n >= 0},
+            self.load_weight,
         )
+        return chooser.choose(inputs)
 
     # ---- statistics and checks -----------------------------------------------------------
 

@@ -25,7 +25,8 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # need (shared-memory store name, page server key); GetPeer and GetPeers read it back.
 # 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
 # tokens pending on each worker (routing estimates each worker's time to first token).
-PROTOCOL_VERSION = 6
+# 7: ROUTE names the routing policy.
+PROTOCOL_VERSION = 7
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -161,7 +162,15 @@ MESSAGES: dict[str, MessageSchema] = {
         body(m.MatchResult, f"{MATCH}.reply", matched_tokens=COUNT, spans=SPANS),
     ),
     ROUTE: MessageSchema(
-        body(m.Route, ROUTE, namespace=NAMESPACE, tokens=TOKENS, loads=LOADS, pending=LOADS),
+        body(
+            m.Route,
+            ROUTE,
+            namespace=NAMESPACE,
+            tokens=TOKENS,
+            loads=LOADS,
+            pending=LOADS,
+            policy=ID,
+        ),
         body(
             m.RouteDecision,
             f"{ROUTE}.reply",

@@ -31,7 +31,7 @@ from cache_service.index import (
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
 from cache_service.index.key_table import KeyTable
-from cache_service.index.routing import WorkerLoad
+from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
 
 P = 4  # tokens per page in these tests

@@ -1,28 +1,41 @@
-"""The routing estimate (`cache_service.index.routing`): what each worker would compute,
-copy and wait for, against one another, with exact decisions pinned."""
+"""Routing policies (`cache_service.routing`): kvmesh's estimate (what each worker would
+compute, copy and wait for, against one another), round-robin, least-loaded and prefix
+affinity, with exact decisions pinned; and the registry."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_service.index.routing import Candidate, WorkerLoad, choose_worker
 from cache_service.messages import RouteDecision
+from cache_service.routing import (
+    POLICIES,
+    Candidate,
+    EstimatedTtft,
+    LeastLoaded,
+    PrefixAffinity,
+    RoundRobin,
+    RouteInputs,
+    WorkerLoad,
+    candidates_of,
+    make_policy,
+)
 
 # A CPU worker's proportions: a prompt token costs 2 ms, a copied one 10 us (same node)
 # or 50 us (page server).
 LOAD = WorkerLoad(prefill_s=2e-3, copy_s_same_node=1e-5, copy_s_remote=5e-5)
 
 
-def candidates(*rows: tuple[str, str, float, int]) -> dict[int, Candidate]:
-    """slot -> Candidate from (worker id, node, queued tokens, running) rows."""
-    return {
-        slot: Candidate(worker_id, node, queue, LOAD._replace(running=running))
-        for slot, (worker_id, node, queue, running) in enumerate(rows)
-    }
+def candidates(*rows: tuple[str, str, float, int]) -> list[Candidate]:
+    """Candidates from (worker id, node, queued tokens, running) rows."""
+    return [
+        Candidate(worker_id, node, queue, LOAD._replace(running=running))
+        for worker_id, node, queue, running in rows
+    ]
 
 
 def route(cands, held=None, prompt=1000, pending=None, nodes=None, load_weight=1.0):
-    return choose_worker(cands, held or {}, prompt, load_weight, pending, nodes)
+    inputs = RouteInputs(cands, prompt, held or {}, nodes or {}, pending or {}, load_weight)
+    return EstimatedTtft().choose(inputs)
 
 
 def test_with_nothing_cached_the_least_loaded_worker_computes_it():
@@ -34,22 +47,22 @@ def test_with_nothing_cached_the_least_loaded_worker_computes_it():
 
 def test_the_holder_wins_while_its_queue_is_shorter_than_copying_would_take():
     both = candidates(("a", "n1", 0, 0), ("b", "n1", 0, 0))
-    held = {0: 960}  # a holds 960 of the 1,000 tokens; b can copy them in 9.6 ms
-    assert route(both, held, nodes={0: "n1"}) == RouteDecision(
+    held = {"a": 960}  # a holds 960 of the 1,000 tokens; b can copy them in 9.6 ms
+    assert route(both, held, nodes={"a": "n1"}) == RouteDecision(
         "a", 960, pytest.approx(2e-3 * 40), "prefix"
     )
     # a has 10 prompt tokens queued (20 ms of work): copying (9.6 ms) is now cheaper.
     busy = candidates(("a", "n1", 10, 0), ("b", "n1", 0, 0))
-    decision = route(busy, held, nodes={0: "n1"})
+    decision = route(busy, held, nodes={"a": "n1"})
     assert decision == RouteDecision("b", 0, pytest.approx(2e-3 * 40 + 1e-5 * 960), "copy")
     # 5 queued tokens (10 ms): within 5% of b's estimate, a tie: the holder keeps it.
     close = candidates(("a", "n1", 5, 0), ("b", "n1", 0, 0))
-    assert route(close, held, nodes={0: "n1"}).worker_id == "a"
+    assert route(close, held, nodes={"a": "n1"}).worker_id == "a"
 
 
 def test_copying_across_nodes_costs_the_page_servers_rate():
-    held = {0: 960}
-    nodes = {0: "n1"}
+    held = {"a": 960}
+    nodes = {"a": "n1"}
     # b on another node would copy at 50 us a token (48 ms): a's 20 ms queue still wins.
     far = candidates(("a", "n1", 10, 0), ("b", "n2", 0, 0))
     assert route(far, held, nodes=nodes).worker_id == "a"
@@ -58,9 +71,9 @@ def test_copying_across_nodes_costs_the_page_servers_rate():
 
 
 def test_a_holder_that_is_not_a_candidate_can_still_be_copied_from():
-    # Slot 5 (not among the candidates: dead to this front door, or busy) holds the prefix.
+    # x (not among the candidates: dead to this front door, or busy) holds the prefix.
     both = candidates(("a", "n1", 0, 0), ("b", "n2", 0, 0))
-    decision = route(both, {5: 800}, nodes={5: "n2"})
+    decision = route(both, {"x": 800}, nodes={"x": "n2"})
     assert decision == RouteDecision("b", 0, pytest.approx(2e-3 * 200 + 1e-5 * 800), "copy")
 
 
@@ -76,24 +89,24 @@ def test_a_prefix_being_computed_counts_for_the_worker_computing_it():
 def test_running_sequences_slow_a_worker_down():
     # 40 sequences decoding on a: its prefill shares passes with 40 more tokens.
     both = candidates(("a", "n1", 0, 40), ("b", "n1", 0, 0))
-    assert route(both, {0: 960}, nodes={0: "n1"}).worker_id == "b"
+    assert route(both, {"a": 960}, nodes={"a": "n1"}).worker_id == "b"
 
 
 def test_the_costs_are_the_candidates_median_so_noise_does_not_decide():
     """Two workers of one kind measured their prefill 2 ms and 3 ms a token: the holder
     still wins (its situation, not the noise of its measurement, decides)."""
-    both = {
-        0: Candidate("a", "n1", 0, LOAD._replace(prefill_s=3e-3)),
-        1: Candidate("b", "n1", 0, LOAD),
-    }
-    assert route(both, {0: 960}, nodes={0: "n1"}).worker_id == "a"
+    both = [
+        Candidate("a", "n1", 0, LOAD._replace(prefill_s=3e-3)),
+        Candidate("b", "n1", 0, LOAD),
+    ]
+    assert route(both, {"a": 960}, nodes={"a": "n1"}).worker_id == "a"
 
 
 def test_the_queue_term_is_weighted_by_load_weight():
     both = candidates(("a", "n1", 50, 0), ("b", "n1", 0, 0))
-    held = {0: 960}
-    assert route(both, held, nodes={0: "n1"}, load_weight=1.0).worker_id == "b"
-    assert route(both, held, nodes={0: "n1"}, load_weight=0.0).worker_id == "a"
+    held = {"a": 960}
+    assert route(both, held, nodes={"a": "n1"}, load_weight=1.0).worker_id == "b"
+    assert route(both, held, nodes={"a": "n1"}, load_weight=0.0).worker_id == "a"
 
 
 def test_reports_become_the_loads_routing_weighs():
@@ -109,3 +122,75 @@ def test_reports_become_the_loads_routing_weighs():
     assert sorted(loads) == ["a", "b"]  # departed workers are no candidates
     assert loads["a"] == WorkerLoad(queued_tokens=120, running=3, prefill_s=pytest.approx(2.5e-3))
     assert loads["b"] == WorkerLoad()
+
+
+# ---- the other policies and the registry -------------------------------------------------
+
+
+def test_round_robin_takes_each_in_turn_by_id_whatever_they_hold():
+    policy = RoundRobin()
+    cands = candidates(("b", "n1", 0, 0), ("a", "n1", 900, 9))
+    inputs = RouteInputs(cands, 1000, held={"b": 960}, holder_nodes={"b": "n1"})
+    chosen = [policy.choose(inputs) for _ in range(3)]
+    assert [(d.worker_id, d.matched_tokens, d.reason) for d in chosen] == [
+        ("a", 0, "round_robin"),
+        ("b", 960, "round_robin"),
+        ("a", 0, "round_robin"),
+    ]
+    assert not policy.uses_holdings
+
+
+def test_least_loaded_takes_the_shortest_queue_then_fewest_running_then_id():
+    policy = LeastLoaded()
+    pick = lambda *rows: policy.choose(RouteInputs(candidates(*rows), 100)).worker_id  # noqa: E731
+    assert pick(("a", "n1", 300, 0), ("b", "n1", 100, 5)) == "b"
+    assert pick(("a", "n1", 100, 2), ("b", "n1", 100, 1)) == "b"
+    assert pick(("b", "n1", 100, 1), ("a", "n1", 100, 1)) == "a"
+
+
+def test_prefix_affinity_keeps_a_prefix_on_its_holder_while_loads_are_balanced():
+    policy = PrefixAffinity(cache_threshold=0.5, balance_abs_tokens=1000, balance_rel=1.5)
+    held = {"a": 640}
+    # Balanced (a gap of 500 tokens): the longest match wins, though a is busier.
+    balanced = candidates(("a", "n1", 600, 0), ("b", "n1", 100, 0))
+    decision = policy.choose(RouteInputs(balanced, 1000, held))
+    assert (decision.worker_id, decision.matched_tokens, decision.reason) == ("a", 640, "prefix")
+    # Imbalanced (1,900 tokens apart, 20 times as much): the least loaded.
+    imbalanced = candidates(("a", "n1", 2000, 0), ("b", "n1", 100, 0))
+    decision = policy.choose(RouteInputs(imbalanced, 1000, held))
+    assert (decision.worker_id, decision.reason) == ("b", "balance")
+    # A match under the threshold (30% of the prompt) does not count: the least loaded.
+    decision = policy.choose(RouteInputs(balanced, 1000, {"a": 300}))
+    assert (decision.worker_id, decision.reason) == ("b", "least_loaded")
+    # A prefix being computed for a request in flight counts as held (as SGLang's tree
+    # counts a prompt from the moment it is routed).
+    decision = policy.choose(RouteInputs(balanced, 1000, pending={"b": 800}))
+    assert (decision.worker_id, decision.reason) == ("b", "prefix")
+
+
+def test_prefix_affinity_refuses_thresholds_out_of_range():
+    with pytest.raises(ValueError, match="cache_threshold"):
+        PrefixAffinity(cache_threshold=1.5)
+    with pytest.raises(ValueError, match="balance thresholds"):
+        PrefixAffinity(balance_rel=0.5)
+
+
+def test_the_registry_makes_each_policy_and_names_the_known_ones():
+    assert sorted(POLICIES) == ["kvmesh", "least-loaded", "prefix-affinity", "round-robin"]
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    assert make_policy("round-robin") is not make_policy("round-robin")  # a place of its own
+    with pytest.raises(ValueError, match="unknown routing policy 'random'; known: kvmesh, "):
+        make_policy("random")
+
+
+def test_candidates_are_the_registered_workers_with_the_larger_queue():
+    reported = {"a": WorkerLoad(queued_tokens=500), "b": WorkerLoad(queued_tokens=10)}
+    nodes = {"a": "n1", "b": "n2"}
+    cands = candidates_of({"b": 100.0, "a": 100.0, "zz": 0.0}, nodes, reported)
+    assert [(c.worker_id, c.node_id, c.queue) for c in cands] == [
+        ("a", "n1", 500.0),
+        ("b", "n2", 100.0),
+    ]  # zz is not registered: no candidate
+    with pytest.raises(ValueError, match="load of worker 'a' must be finite"):
+        candidates_of({"a": float("nan")}, nodes)

@@ -8,6 +8,7 @@ import torch
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_runner import tiny_llama
+from workers.serving.sampling import SamplingParams
 from workers.worker import CacheFull, Worker, WorkerSettings
 
 P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
@@ -58,33 +59,33 @@ def _expected(worker: Worker, tokens: list[int]) -> torch.Tensor:
 
 
 def _check(out, expected: torch.Tensor) -> None:
-    got = torch.tensor(out["logits"])
+    got = torch.tensor(out.logits)
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
 
 
 def test_prefix_served_locally_then_from_peers(trio):
     a, b, c = trio
     cold = a.generate(PREFIX + [1, 2, 3], 6, return_logits=True)
-    assert cold["stats"]["local_hit_tokens"] == 0 and cold["stats"]["remote_hit_tokens"] == 0
+    assert cold.stats.local_hit_tokens == 0 and cold.stats.remote_hit_tokens == 0
 
     prompt = PREFIX + [9, 9, 9, 9, 9]
     expected = _expected(a, prompt)
     again = a.generate(prompt, 6, return_logits=True)  # own cache: 36 of 37 prefix tokens
-    assert again["stats"]["local_hit_tokens"] == 37
+    assert again.stats.local_hit_tokens == 37
     _check(again, expected)
     assert a.flush()  # a's pages reach the index (they would a moment later anyway)
 
     same_node = b.generate(prompt, 6, return_logits=True)  # copied out of a's shm
-    assert same_node["stats"]["local_hit_tokens"] == 0
-    assert same_node["stats"]["remote_hit_tokens"] == 40  # all full pages of the prompt
-    assert same_node["token_ids"] == again["token_ids"]
+    assert same_node.stats.local_hit_tokens == 0
+    assert same_node.stats.remote_hit_tokens == 40  # all full pages of the prompt
+    assert same_node.token_ids == again.token_ids
     _check(same_node, expected)
 
     other_node = c.generate(prompt + [5], 6, return_logits=True)  # over a's page server
-    assert other_node["stats"]["remote_hit_tokens"] == 40
-    assert c.stats()["copy"]["decisions"] == {"policy always": 1}
+    assert other_node.stats.remote_hit_tokens == 40
+    assert c.stats().copy["decisions"] == {"policy always": 1}
     _check(other_node, _expected(c, prompt + [5]))
-    assert a.page_server.pages_sent > 0
+    assert a.member.page_server.pages_sent > 0
 
 
 def test_tenants_never_share(trio):
@@ -92,25 +93,25 @@ def test_tenants_never_share(trio):
     a.generate(PREFIX + [1], 4, salt="tenant-a")
     assert a.flush()
     out = b.generate(PREFIX + [2], 4, salt="tenant-b")
-    assert out["stats"]["remote_hit_tokens"] == 0 and out["stats"]["local_hit_tokens"] == 0
+    assert out.stats.remote_hit_tokens == 0 and out.stats.local_hit_tokens == 0
     assert b.flush()
     again = a.generate(PREFIX + [3], 4, salt="tenant-b")
-    assert again["stats"]["local_hit_tokens"] == 0
-    assert again["stats"]["remote_hit_tokens"] == 36  # tenant-b's pages on b
+    assert again.stats.local_hit_tokens == 0
+    assert again.stats.remote_hit_tokens == 36  # tenant-b's pages on b
 
 
 def test_vanished_peer_pages_are_recomputed(trio):
     a, b, _ = trio
     a.generate(PREFIX + [1], 4)
     assert a.flush()
-    a.publisher.stop(bye=False)  # from here on a's events never reach the service
+    a.member.publisher.stop(bye=False)  # from here on a's events never reach the service
     a.cache.clear()  # a evicts everything; the index still says a holds the prefix
     prompt = PREFIX + [2]
     out = b.generate(prompt, 4, return_logits=True)
-    assert out["stats"]["remote_hit_tokens"] == 0  # every copied page failed validation
+    assert out.stats.remote_hit_tokens == 0  # every copied page failed validation
     _check(out, _expected(b, prompt))
     # What b reports: the refused copy's tokens were computed, never hits; its bytes moved.
-    report = b.figures.report(b.cache.stats())
+    report = b.member.figures.report(b.cache.stats())
     assert [(t.requests, t.local_hit, t.remote_hit, t.computed) for t in report.tenants] == [
         (1, 0, 0, len(prompt))
     ]
@@ -124,12 +125,12 @@ def test_without_reuse_the_whole_prompt_is_computed_and_nothing_is_shared(trio):
     a.generate(prompt, 4)
     cached = a.cache.stats()["cached_pages"]
     out = a.generate(prompt, 4, return_logits=True, reuse=False)
-    assert (out["stats"]["local_hit_tokens"], out["stats"]["remote_hit_tokens"]) == (0, 0)
-    assert out["stats"]["computed_tokens"] == len(prompt)
+    assert (out.stats.local_hit_tokens, out.stats.remote_hit_tokens) == (0, 0)
+    assert out.stats.computed_tokens == len(prompt)
     _check(out, _expected(a, prompt))
     stats = a.cache.stats()
     assert stats["cached_pages"] == cached and stats["in_use_pages"] == 0  # nothing kept
-    assert a.generate(prompt, 4)["stats"]["local_hit_tokens"] == 37  # the cache is intact
+    assert a.generate(prompt, 4).stats.local_hit_tokens == 37  # the cache is intact
 
 
 def test_request_too_big_is_cache_full(service):
@@ -151,19 +152,20 @@ def test_a_holder_nobody_named_is_found_in_the_services_registry(service):
     holder = _worker(service, "h", "n1")
     asker = _worker(service, "q", "n2")  # another node: the page server path
     try:
-        assert not holder.peers and not asker.peers
+        assert holder.member.peers.known() == asker.member.peers.known() == []
         prompt = PREFIX + [4, 4, 4]
         holder.generate(prompt, 2)
         assert holder.flush()
         out = asker.generate(prompt, 2)
-        assert out["stats"]["remote_hit_tokens"] == 36  # every full page but the last token's
-        found = asker.peers["h"]
+        assert out.stats.remote_hit_tokens == 36  # every full page but the last token's
+        found = asker.member.peers.get("h")
+        assert asker.member.peers.known() == ["h"]
         assert (found.node_id, found.shm_name, found.page_address) == (
             "n1",
             holder.store.name,
-            holder.page_server.address,
+            holder.member.page_server.address,
         )
-        assert holder.page_server.pages_sent > 0
+        assert holder.member.page_server.pages_sent > 0
         holder.check_integrity()
         asker.check_integrity()
     finally:
@@ -184,9 +186,13 @@ def test_bad_arguments_are_refused_before_anything_is_held(service):
             with pytest.raises(ValueError, match=message):
                 w.generate(prompt, n)
         with pytest.raises(ValueError, match="temperature"):
-            w.generate([1, 2, 3], 2, sampling={"temperature": -1.0})
-        with pytest.raises(ValueError, match="unknown"):
-            w.generate([1, 2, 3], 2, sampling={"temp": 1.0})
+            w.generate([1, 2, 3], 2, sampling=SamplingParams(temperature=-1.0))
+        with pytest.raises(ValueError, match="sampling must be SamplingParams"):
+            w.generate([1, 2, 3], 2, sampling={"temperature": 1.0})
+        with pytest.raises(TypeError, match="temperature"):
+            w.generate([1, 2, 3], 2, temperature=1.0)  # not a field of GenerateRequest
+        with pytest.raises(ValueError, match="ignore_eos must be a bool"):
+            w.generate([1, 2, 3], 2, ignore_eos=1)
         with pytest.raises(ValueError, match="stop token 999"):
             w.generate([1, 2, 3], 2, stop_token_ids=[999])
         assert w.cache.stats()["queries"] == 0 and w.requests == 0
@@ -199,13 +205,14 @@ def test_stream_yields_each_token_then_the_result(service):
     w = _worker(service, "s", "n1")
     try:
         whole = w.generate(PREFIX, 8, ignore_eos=True)
-        items = list(w.stream(PREFIX, 8, ignore_eos=True))
-        assert [i["token_id"] for i in items[:-1]] == whole["token_ids"]
-        assert items[-1]["result"]["token_ids"] == whole["token_ids"]
-        assert items[-1]["result"]["finish_reason"] == "length"
-        assert items[-1]["result"]["stats"]["local_hit_tokens"] == 36
+        items = list(w.stream(w.request(PREFIX, 8, ignore_eos=True)))
+        assert tuple(i.token_id for i in items[:-1]) == whole.token_ids
+        assert [i.last for i in items] == [False] * 8 + [True]
+        assert items[-1].output.token_ids == whole.token_ids
+        assert items[-1].output.finish_reason == "length"
+        assert items[-1].output.stats.local_hit_tokens == 36
         with pytest.raises(ValueError, match="max_new_tokens"):
-            next(iter(w.stream(PREFIX, -1)))
+            next(iter(w.stream(w.request(PREFIX, -1))))
         w.check_integrity()
     finally:
         w.shutdown()

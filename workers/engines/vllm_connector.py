@@ -49,16 +49,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from workers.engines.engine import (
-    EngineCache,
-    EngineIndex,
-    LoadSpec,
-    SaveSpec,
-    engine_layout,
-    engine_namespace,
-    join_mesh,
-    kv_layers,
-)
+from workers.engines.blocks import engine_layout, kv_layers
+from workers.engines.engine import EngineCache, EngineIndex, LoadSpec, SaveSpec
+from workers.engines.enrollment import engine_namespace, join_mesh
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

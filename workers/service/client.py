@@ -54,6 +54,7 @@ from cache_service.messages import (
     WorkerReport,
 )
 from cache_service.protocol import Message, ProtocolError
+from cache_service.routing import DEFAULT_POLICY
 from cache_service.tokens import TokenInput
 
 log = logging.getLogger(__name__)
@@ -277,19 +278,22 @@ class ServiceClient:
         tokens: TokenInput,
         loads: Mapping[str, float],
         pending: Mapping[str, float] | None = None,
+        policy: str = DEFAULT_POLICY,
     ) -> RouteDecision:
-        """Which worker gets this prompt's first token out soonest (what it holds, what it
-        would copy and compute, weighed against its queue: `cache_service.index.routing`).
+        """Which worker should take this prompt, by the routing policy named (the
+        default, kvmesh's: the soonest first token, from what each worker holds, would
+        copy and compute, against its queue; see `cache_service.routing`).
 
         Args:
             loads: worker id -> prompt tokens this caller has in flight there (the
                 candidates are these workers).
             pending: worker id -> tokens of this prompt it computes for a request in
                 flight.
+            policy: a name of `cache_service.routing.POLICIES`.
         """
         loads = {worker: float(load) for worker, load in loads.items()}
         pending = {worker: float(n) for worker, n in (pending or {}).items()}
-        return self.call(Route(namespace, tokens, loads, pending))
+        return self.call(Route(namespace, tokens, loads, pending, policy))
 
     def stats(self) -> dict[str, Any]:
         """Cluster, per-worker and per-tenant statistics of the service."""

@@ -39,17 +39,10 @@ from workers.store.page_store import PageStoreError, SharedPageStore, owner_aliv
 from workers.transfer.costs import Link
 from workers.transfer.page_client import PageClient
 from workers.transfer.page_wire import TransferAuth
+from workers.transfer.peers import PeerInfo
 from workers.transfer.shm_copy import copy_from_peer
 
 log = logging.getLogger(__name__)
-
-
-class PeerInfo(NamedTuple):
-    worker_id: str
-    node_id: str
-    shm_name: str
-    page_address: str
-    page_key: bytes | None  # its page server's CurveZMQ public key (None: no auth)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -86,18 +79,14 @@ class SharedMemorySource:
 
     A failed attach or copy is all misses, logged; the mapping is dropped so the next
     fetch attaches afresh.
-
-    Args:
-        delay_s: test only: sleep this long per page before each fetch (a slow link).
     """
 
     remote = False
 
-    def __init__(self, worker_id: str, node_id: str, shm_name: str, delay_s: float = 0.0):
+    def __init__(self, worker_id: str, node_id: str, shm_name: str):
         self.worker_id = worker_id
         self.node_id = node_id
         self.shm_name = shm_name
-        self.delay_s = delay_s
         self.pages_copied = 0  # valid pages this source delivered
         self._store: SharedPageStore | None = None
         self._lock = threading.Lock()
@@ -107,8 +96,6 @@ class SharedMemorySource:
         return self._store is not None
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
-        if self.delay_s:
-            time.sleep(self.delay_s * len(pages))
         with self._lock:
             try:
                 if self._store is None:
@@ -135,11 +122,7 @@ class SharedMemorySource:
 
 
 class PageServerSource:
-    """A holder on another node, read through its page server (one client, kept open).
-
-    Args:
-        delay_s: test only: sleep this long per page before each fetch (a slow link).
-    """
+    """A holder on another node, read through its page server (one client, kept open)."""
 
     remote = True
 
@@ -150,17 +133,13 @@ class PageServerSource:
         address: str,
         auth: TransferAuth | None = None,
         server_key: bytes | None = None,
-        delay_s: float = 0.0,
     ):
         self.worker_id = worker_id
         self.node_id = node_id
         self.address = address
-        self.delay_s = delay_s
         self.client = PageClient(address, auth=auth, server_key=server_key)
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
-        if self.delay_s:
-            time.sleep(self.delay_s * len(pages))
         return self.client.fetch(pages, gens, store, targets, digests=digests)
 
     def close(self) -> None:
@@ -180,7 +159,6 @@ class Sources:
         self.node_id = node_id
         self.auth = auth
         self._sources: dict[str, tuple[PeerInfo, SharedMemorySource | PageServerSource]] = {}
-        self._delays: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def get(self, peer: PeerInfo) -> PageSource:
@@ -191,12 +169,11 @@ class Sources:
                 return held[1]
             if held is not None:
                 held[1].close()
-            delay = self._delays.get(peer.worker_id, 0.0)
             if peer.node_id == self.node_id:
-                source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name, delay)
+                source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name)
             else:
                 source = PageServerSource(
-                    peer.worker_id, peer.node_id, peer.page_address, self.auth, peer.page_key, delay
+                    peer.worker_id, peer.node_id, peer.page_address, self.auth, peer.page_key
                 )
             self._sources[peer.worker_id] = (peer, source)
             return source
@@ -226,14 +203,6 @@ class Sources:
                 for _, s in self._sources.values()
                 if isinstance(s, SharedMemorySource) and s.attached
             )
-
-    def throttle(self, worker_id: str, delay_s: float) -> None:
-        """Test only: slow the link to `worker_id` by `delay_s` a page (now and later)."""
-        with self._lock:
-            self._delays[worker_id] = delay_s
-            held = self._sources.get(worker_id)
-            if held is not None:
-                held[1].delay_s = delay_s
 
     def close(self) -> None:
         with self._lock:

@@ -13,19 +13,15 @@ from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace, PagesStored
 from cache_service.server import ServerConfig, make_server
 from cache_service.zap import LateKeys
-from workers.engines.engine import (
-    EngineCache,
-    EngineIndex,
-    Enrollment,
-    LoadSpec,
-    SaveSpec,
+from workers.engines.blocks import (
     blocks_to_pages,
     engine_layout,
-    engine_namespace,
     kv_layers,
     layer_order,
     pages_to_blocks,
 )
+from workers.engines.engine import EngineCache, EngineIndex, LoadSpec, SaveSpec
+from workers.engines.enrollment import Enrollment, engine_namespace
 from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 
 P = 4  # the index's tokens per page
@@ -202,7 +198,7 @@ def save(engine: EngineCache, prompt: list[int], blocks: list[int], salt=None) -
     full = len(prompt) // BLOCK
     spec = SaveSpec("r", ns(engine, salt), tuple(prompt[: full * BLOCK]), tuple(blocks[:full]))
     written = engine.save(spec, engine.layers)
-    assert engine.publisher.sync()
+    assert engine.member.publisher.sync()
     return written
 
 
@@ -231,7 +227,7 @@ def test_an_engine_loads_what_another_saved_exactly(engines):
     assert b.loaded_blocks == 3 and b.refused_pages == 0
 
     # B now holds the prefix too (it published its copies).
-    assert b.publisher.sync()
+    assert b.member.publisher.sync()
     assert {s.worker_id for s in load_spec(a, PROMPT, [0, 1, 2]).spans} == {"vllm-a", "vllm-b"}
 
 
@@ -256,7 +252,7 @@ def test_an_engine_on_another_node_loads_through_the_page_server(engines, encryp
             assert torch.equal(mine[asked], theirs[held])
     assert a.page_server.pages_sent == 3 * BLOCK // P  # no shared memory between nodes
     page_bytes = far.store.layout.page_bytes
-    assert far.figures.copy_bytes == {"same_node": 0, "remote": 3 * BLOCK // P * page_bytes}
+    assert far.member.figures.copy_bytes == {"same_node": 0, "remote": 3 * BLOCK // P * page_bytes}
     assert far.loaded_blocks == 3 and far.refused_pages == 0
 
 

@@ -26,7 +26,7 @@ from cache_service.auth import KeyPair
 from cache_service.events import PagesStored
 from cluster.config import config_from_dict
 from cluster.status import render_status
-from workers.engines.engine import engine_namespace
+from workers.engines.enrollment import engine_namespace
 from workers.service.client import ServiceClient, ServiceEndpoint
 from workers.store.page_store import StoreLayout
 

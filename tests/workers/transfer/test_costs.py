@@ -8,9 +8,10 @@ import json
 import pytest
 
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
-from workers.transfer import costs
+from tests.workers.transfer.slow_link import slow_down
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_runner import tiny_llama
+from workers.transfer import costs
 from workers.transfer.costs import (
     CopyCosts,
     Link,
@@ -200,7 +201,7 @@ def _worker(service, worker_id: str) -> Worker:
 
 def _path_s(out) -> float:
     """What the request's prompt cost: the copy-in and the prefill after it."""
-    return out["stats"]["copy_s"] + out["stats"]["prefill_forward_s"]
+    return out.stats.copy_s + out.stats.prefill_forward_s
 
 
 def test_the_worker_recomputes_over_a_slow_link_and_copies_over_a_fast_one(service, monkeypatch):
@@ -216,23 +217,23 @@ def test_the_worker_recomputes_over_a_slow_link_and_copies_over_a_fast_one(servi
         # b's link to a is slowed to 4 ms a page: a second for the prefix, against a
         # prefill of 1001 tokens of ~100-300 ms (a busy 2-core machine). The first copy
         # trusts the memcpy probe and copies; its real time teaches b the link is slow.
-        b.sources.throttle("a", 0.004)
+        slow_down(monkeypatch, b.member.sources, "a", 0.004)
         slow_copy = b.generate(PROMPT, 2)
-        assert slow_copy["stats"]["remote_hit_tokens"] == 1000
-        assert b.stats()["copy"]["decisions"] == {"copy cheaper": 1}
+        assert slow_copy.stats.remote_hit_tokens == 1000
+        assert b.stats().copy["decisions"] == {"copy cheaper": 1}
         b.clear_cache()
         recomputed = b.generate(PROMPT, 2)
-        assert recomputed["stats"]["remote_hit_tokens"] == 0
-        assert b.stats()["copy"]["decisions"] == {"copy cheaper": 1, "recompute cheaper": 1}
-        last = b.stats()["copy"]["last"]
+        assert recomputed.stats.remote_hit_tokens == 0
+        assert b.stats().copy["decisions"] == {"copy cheaper": 1, "recompute cheaper": 1}
+        last = b.stats().copy["last"]
         assert last["copy_s"] > 2 * last["recompute_s"]
         # Both paths for real: recomputing beat the slow copy.
         assert _path_s(recomputed) < _path_s(slow_copy) / 2
 
         # c's link to a is the plain memcpy: copying 250 pages beats prefilling 1000 tokens.
         fast_copy = c.generate(PROMPT, 2)
-        assert fast_copy["stats"]["remote_hit_tokens"] == 1000
-        assert c.stats()["copy"]["decisions"] == {"copy cheaper": 1}
+        assert fast_copy.stats.remote_hit_tokens == 1000
+        assert c.stats().copy["decisions"] == {"copy cheaper": 1}
         full = c.generate(PROMPT, 2, reuse=False)  # the recompute path, for real
         assert _path_s(fast_copy) < _path_s(full) / 2
         for w in (a, b, c):

@@ -1,10 +1,10 @@
-"""The front door's requests in flight (`cluster.router.InFlight`): the queue it counts
+"""The front door's requests in flight (`cluster.inflight.InFlight`): the queue it counts
 on each worker and the prefixes being computed there, for routing."""
 
 from __future__ import annotations
 
 from cache_service.events import Namespace
-from cluster.router import InFlight, _common_bytes
+from cluster.inflight import InFlight, _common_bytes
 
 NS = Namespace("m", "", "salt-a")
 OTHER = Namespace("m", "", "salt-b")

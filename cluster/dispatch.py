@@ -1,0 +1,184 @@
+"""Sending requests to workers, and running them again elsewhere when a worker dies: the
+front door's one path for `generate`, `stream` and `chat`.
+
+Every request goes through the same two steps:
+
+    placed(request)     route it (the service runs the configured policy over its index;
+                        without the service, this front door runs it over what it knows),
+                        and count it in flight on the chosen worker while it runs
+    failover(worker)    a worker that dies under a call (Ray's RayActorError) is marked
+                        lost (routing skips it, the service drops its pages, its peers
+                        forget it); the request is routed again, unless the caller named
+                        the worker or a stream already handed tokens over: then MeshError
+
+`generate` sends each worker the requests routed to it as one batch (queued together, they
+share what they have in common) and gathers the outputs in order; `stream` runs one
+request as a Ray streaming generator and yields the worker's items as they come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import ray
+
+from cache_service.routing import RouteInputs, candidates_of, make_policy
+from cluster.errors import MeshError
+from cluster.inflight import InFlight
+from cluster.requests import FrontRequest
+from cluster.roster import Roster
+from workers.api import GenerateOutput, StreamItem
+from workers.service.client import ServiceClient, ServiceUnavailable
+
+
+class Attempt:
+    """One call to a worker; `started`: it handed something over (a stream's token)."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+
+class Dispatcher:
+    """Routes, sends and fails over this front door's requests. Thread-safe.
+
+    Args:
+        roster: the workers, alive or dead, with their actor handles.
+        inflight: this front door's requests in flight (routing weighs them).
+        client: the service client routing asks (it skips the service while it is down).
+        policy: the routing policy's name (`cache_service.routing.POLICIES`).
+    """
+
+    def __init__(self, roster: Roster, inflight: InFlight, client: ServiceClient, policy: str):
+        self.roster = roster
+        self.inflight = inflight
+        self.client = client
+        self.policy = policy
+        # Without the service, the same policy runs here on what this front door knows
+        # (its own requests in flight), or least-loaded for a policy that needs the index.
+        local = make_policy(policy)
+        self._fallback = local if not local.uses_holdings else make_policy("least-loaded")
+
+    # -- the two steps -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def placed(self, request: FrontRequest, worker: str | None = None) -> Iterator[str]:
+        """Route a request (to `worker` when one is named) and count it in flight there
+        while the block runs, for the routing of the requests after it; yields the
+        worker.
+
+        Raises:
+            MeshError: every worker is dead, or the named one is.
+        """
+        if worker is None:
+            chosen, computes = self.route(request)
+        else:
+            chosen, computes = worker, len(request.tokens)
+        if self.roster.is_dead(chosen):
+            raise MeshError(f"worker {chosen!r} is dead")
+        handle = self.inflight.add(chosen, request.namespace, request.tokens, computes)
+        try:
+            with self.roster.running(chosen):
+                yield chosen
+        finally:
+            self.inflight.remove(handle)
+
+    @contextlib.contextmanager
+    def failover(self, worker: str, pinned: bool) -> Iterator[Attempt]:
+        """Run a call to `worker`; if the worker dies under it, mark it lost and return
+        normally (the caller routes the request again), or raise MeshError when it
+        cannot run again: the caller named the worker (`pinned`), or the call handed
+        something over already (the caller set the attempt's `started`)."""
+        attempt = Attempt()
+        try:
+            yield attempt
+        except ray.exceptions.RayActorError as exc:
+            self.roster.lost(worker, exc)
+            if pinned or attempt.started:
+                raise MeshError(f"worker {worker!r} died during the request: {exc}") from None
+
+    def route(self, request: FrontRequest) -> tuple[str, int]:
+        """The live worker the routing policy chooses, and the prompt tokens it is
+        expected to compute.
+
+        Raises:
+            MeshError: every worker is dead.
+        """
+        live = self.roster.live()
+        if not live:
+            raise MeshError(f"no live worker left (dead: {', '.join(self.roster.dead())})")
+        namespace, tokens = request.namespace, request.tokens
+        loads = self.inflight.loads(live)
+        pending = self.inflight.pending(namespace, tokens)
+        try:
+            decision = self.client.route(namespace, tokens, loads, pending, self.policy)
+        except ServiceUnavailable:
+            # Without the index: what this front door knows of its own requests.
+            nodes = dict.fromkeys(live, "")
+            inputs = RouteInputs(candidates_of(loads, nodes), len(tokens), pending=pending)
+            decision = self._fallback.choose(inputs)
+        if decision.worker_id not in loads:  # the service knows none of the live ones yet
+            decision = make_policy("least-loaded").choose(
+                RouteInputs(candidates_of(loads, dict.fromkeys(live, "")), len(tokens))
+            )
+        held = max(decision.matched_tokens, int(pending.get(decision.worker_id, 0)))
+        return decision.worker_id, max(1, len(tokens) - held)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def generate(
+        self, requests: Sequence[FrontRequest], worker: str | None = None
+    ) -> list[GenerateOutput]:
+        """Route each request, send each worker its requests as one batch, gather the
+        outputs in order; requests whose worker died run again on live workers.
+
+        Raises:
+            MeshError: no live worker is left, or the named `worker` died.
+        """
+        outputs: list[GenerateOutput | None] = [None] * len(requests)
+        pending = dict(enumerate(requests))
+        while pending:
+            with contextlib.ExitStack() as running:
+                by_worker: dict[str, list[int]] = {}
+                for i, request in pending.items():
+                    chosen = running.enter_context(self.placed(request, worker))
+                    by_worker.setdefault(chosen, []).append(i)
+                calls = {
+                    chosen: self.handle(chosen).generate_batch.remote(
+                        [pending[i].body for i in indexes]
+                    )
+                    for chosen, indexes in by_worker.items()
+                }
+                for chosen, call in calls.items():
+                    with self.failover(chosen, pinned=worker is not None):
+                        for i, output in zip(by_worker[chosen], ray.get(call), strict=True):
+                            outputs[i] = output
+                            del pending[i]
+        return outputs
+
+    def stream(self, request: FrontRequest, worker: str | None = None) -> Iterator[StreamItem]:
+        """The worker's stream items as they come: each sampled token, then the output.
+        A routed request whose worker dies before its first token runs again on a live
+        worker.
+
+        Raises:
+            MeshError: no live worker is left, the named `worker` died, or the worker
+                died after handing tokens over.
+        """
+        while True:
+            with (
+                self.placed(request, worker) as chosen,
+                self.failover(chosen, pinned=worker is not None) as attempt,
+            ):
+                items = self.handle(chosen).stream.options(num_returns="streaming")
+                for ref in items.remote(request.body):
+                    item = ray.get(ref)
+                    yield item
+                    if item.last:
+                        return
+                    attempt.started = True
+
+    def handle(self, worker_id: str) -> Any:
+        """The actor handle of a worker."""
+        return self.roster.handles[worker_id]

@@ -1,0 +1,367 @@
+"""One member of the mesh: what a worker and a vLLM engine both are, built and wired once.
+
+A member holds KV pages and shares them. It is, in the order it is built:
+
+    store       SharedPageStore      its pages, in a named shared-memory segment
+    cache       PrefixCache          which pages hold which prompts (the local trie)
+    page_server PageServer           peers on other nodes read its pages here
+    client      ServiceClient        matches and registry lookups, on the request path
+    publisher   EventPublisher       registration, events and heartbeats, off it
+    peers       Peers                who holds pages where, and how to reach them
+    sources     Sources              one page source per peer (shared memory or page client)
+    copier      CopyExecutor         copies from several holders at once
+    links       LinkRates            each holder's measured link, for copy decisions
+
+and it does one thing with them that is the mesh's: `copy_in`, the validated copy of a
+prompt's pages that other members hold. A worker adds a model and its serving loop
+(`workers.worker`); an engine adds vLLM's blocks (`workers.engines.engine`). Neither
+builds any of the above itself, so a fix to copy-in, peer lookup, housekeeping, the
+integrity check or shutdown is made here once.
+
+Copy-in, for prompt pages [first, end) that the service's match says others hold:
+
+    peers      each holder's entry (told by the front door, or looked up: `Peers`)
+    plan       which holder gives which pages (`plan_copy`: by measured link rates)
+    decide     copy or recompute (a worker weighs its prefill curve; an engine copies)
+    copy       every holder at once, each page validated: generation before and after,
+               and the digest its holder recorded equal to the one this prompt's tokens
+               give (`page_digests`); the first page that fails ends the copied prefix
+    learn      each holder's link rate from the copy's real time
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache_service.auth import KeyPair
+from cache_service.events import Namespace
+from cache_service.messages import HolderSpan, WorkerReport
+from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.service.client import (
+    ServiceClient,
+    ServiceEndpoint,
+    ServiceError,
+    ServiceUnavailable,
+)
+from workers.service.figures import WorkerFigures
+from workers.service.publisher import EventPublisher
+from workers.store.digests import page_digests
+from workers.store.page_store import (
+    SharedPageStore,
+    StoreLayout,
+    reclaim_dead_segments,
+    worker_tag,
+)
+from workers.transfer.copy_in import CopyExecutor, CopyPlan, Sources, plan_copy
+from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
+from workers.transfer.page_server import PageServer
+from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT, TransferAuth
+from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
+
+log = logging.getLogger(__name__)
+
+# After the service failed to answer, a member's clients skip it for this long (doubling
+# while it stays down, up to 8 times as long); the publisher's heartbeats probe for its
+# return, so requests never wait on a service that is down.
+SERVICE_BACKOFF_S = 1.0
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who a member is in the mesh and how it reaches the rest of it.
+
+    Attributes:
+        worker_id: its id in the mesh (the service's registry, the index, the metrics).
+        node_id: its Ray node: peers with the same node read its shared memory.
+        endpoint: the service's address, or a resolver that asks the service actor (a
+            restarted service is then found at its new port).
+        keypair: its CurveZMQ key pair in the mesh (None: authentication off).
+        secret: the mesh secret (signs page requests when pages are not encrypted).
+        page_host: where its page server listens (an address, already resolved).
+        encrypt_pages: page bytes under CurveZMQ, or only signed.
+        page_readers: the public keys its page server admits.
+        late_readers: admits keys that enroll after it started (vLLM engines).
+        publish_interval_s: how often the publisher heartbeats and sends events.
+        service_backoff_s: how long its clients skip a service that did not answer.
+    """
+
+    worker_id: str
+    node_id: str
+    endpoint: ServiceEndpoint | Callable[[], ServiceEndpoint]
+    keypair: KeyPair | None = None
+    secret: bytes = b""
+    page_host: str = "127.0.0.1"
+    encrypt_pages: bool = ENCRYPT_PAGES_DEFAULT
+    page_readers: frozenset[bytes] = frozenset()
+    late_readers: Callable[[bytes], bool] | None = None
+    publish_interval_s: float = 0.5
+    service_backoff_s: float = SERVICE_BACKOFF_S
+
+    def transfer_auth(self) -> TransferAuth | None:
+        """Its credentials for page servers, and its own page server's (None: no auth)."""
+        if self.keypair is None:
+            return None
+        return TransferAuth(self.keypair, self.page_readers, self.secret, self.encrypt_pages)
+
+
+class MeshMember:
+    """A member's pages, cache and links (see the module docstring). Thread-safe.
+
+    Args:
+        membership: who it is.
+        layout: its page store's layout.
+        cache: how its prefix cache matches and keeps pages.
+        load: its load and measured costs for the heartbeat (the report's running,
+            waiting, queued_tokens and *_ns fields), for routing; a worker's own.
+        active: requests running now, sent with each heartbeat.
+
+    Raises:
+        Whatever creating the store or binding the page server raises; nothing is left
+        behind then.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        layout: StoreLayout,
+        cache: PrefixCacheConfig,
+        load: Callable[[], Mapping[str, int]] = dict,
+        active: Callable[[], float] = lambda: 0.0,
+    ):
+        self.membership = membership
+        self.worker_id = membership.worker_id
+        self.node_id = membership.node_id
+        # A restarted member's predecessor (or any dead member on this node) could not
+        # unlink its store: that memory comes back before ours is taken.
+        reclaim_dead_segments()
+        self.store = SharedPageStore.create(layout, tag=worker_tag(self.worker_id))
+        try:
+            self.cache = PrefixCache(self.store, cache)
+            self.figures = WorkerFigures()  # prompt tokens, copies, TTFT: in every heartbeat
+            self.auth = membership.transfer_auth()
+            self.page_server = PageServer(
+                self.store,
+                host=membership.page_host,
+                auth=self.auth,
+                late_readers=membership.late_readers,
+            )
+        except BaseException:
+            self.store.close()
+            raise
+        keys, backoff = membership.keypair, membership.service_backoff_s
+        # On the request path: one short try, then skip the service for a while (a
+        # request whose service is down runs on the local cache at once); the publisher's
+        # heartbeats see the service come back.
+        self.client = ServiceClient(
+            membership.endpoint,
+            timeout_s=1.0,
+            retries=0,
+            client_keys=keys,
+            backoff_s=backoff,
+            probe=False,
+        )
+        self.publisher = EventPublisher(
+            ServiceClient(
+                membership.endpoint, timeout_s=2.0, retries=1, client_keys=keys, backoff_s=backoff
+            ),
+            self.cache,
+            self.worker_id,
+            self.node_id,
+            address=self.page_server.address,
+            shm_name=self.store.name,
+            page_key=None if keys is None else keys.public,
+            load=active,
+            report=self._report,
+            on_new_service=self.client.reconnect,
+        )
+        self._load = load
+        self.peers = Peers(self.worker_id, lambda w: look_up_peer(self.client, w), PEER_TTL_S)
+        self.sources = Sources(self.node_id, self.auth)
+        self.copier = CopyExecutor()
+        encrypted = self.auth is not None and self.auth.encrypt
+        self.links = measure_links(layout.page_bytes, encrypted)
+        self._lock = threading.Lock()
+        self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
+        self.copy_decisions: Counter[str] = Counter()  # by Decision.reason
+        self.last_decision: Decision | None = None
+
+    def start(self, tick: Callable[[], None] | None = None) -> None:
+        """Register with the service (once now), then publish and heartbeat every
+        publish_interval_s; `tick`, the owner's own housekeeping, runs each round too."""
+        self.publisher.sync()
+
+        def housekeeping() -> None:
+            self.housekeeping()
+            if tick is not None:
+                tick()
+
+        self.publisher.start(self.membership.publish_interval_s, tick=housekeeping)
+
+    # -- peers -------------------------------------------------------------------------
+
+    def info(self) -> PeerInfo:
+        """How peers reach this member's pages."""
+        keys = self.membership.keypair
+        return PeerInfo(
+            self.worker_id,
+            self.node_id,
+            self.store.name,
+            self.page_server.address,
+            None if keys is None else keys.public,
+        )
+
+    def set_peers(self, peers: Iterable[PeerInfo]) -> None:
+        """The mesh's members as the front door knows them. A peer left out (dead, or
+        gone) is forgotten: its store is detached, its page client closed."""
+        for peer in self.peers.tell(peers):
+            self.sources.forget(peer.worker_id)
+            self.links.forget(peer.worker_id)
+
+    # -- copy-in -----------------------------------------------------------------------
+
+    def match(self, namespace: Namespace, tokens: Sequence[int]) -> tuple[int, list[HolderSpan]]:
+        """Which prefix of `tokens` the mesh holds, and where: (matched tokens, spans). A
+        service that does not answer, or refuses, is a miss: (0, [])."""
+        try:
+            matched, spans = self.client.match(namespace, tokens, requester=self.worker_id)
+        except (ServiceUnavailable, ServiceError) as exc:
+            log.info("%s: no match from the service (%s)", self.worker_id, exc)
+            return 0, []
+        return matched, list(spans)
+
+    def copy_in(
+        self,
+        allocation: Allocation,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        spans: Sequence[HolderSpan],
+        end: int,
+        decide: Callable[[CopyCosts], Decision] | None = None,
+    ) -> int:
+        """Copy prompt pages from where the allocation's own prefix ends up to `end` out of
+        the holders in `spans`, each page validated; returns where the usable prefix ends,
+        in pages (at least where the allocation's own cached pages end).
+
+        Args:
+            allocation: the request's pages; its cached tokens are in place already.
+            tokens: the prompt (at least `end` pages of it).
+            namespace: the prompt's namespace (every digest starts from it).
+            spans: the holders the service's match named.
+            end: the first prompt page not to copy.
+            decide: copy or recompute, given the plan's costs (None: copy everything
+                planned, as an engine does: vLLM already chose to load).
+        """
+        p = self.store.layout.page_tokens
+        first = allocation.cached_tokens // p
+        self.sources.detach_dead()
+        peers = {s.worker_id: self.peers.get(s.worker_id) for s in spans}
+        peers = {w: peer for w, peer in peers.items() if peer is not None}
+        links = {w: self.links.link(w, peer.node_id != self.node_id) for w, peer in peers.items()}
+        page_bytes = self.store.layout.page_bytes
+        tasks = plan_copy(spans, first, end, links, page_bytes)
+        if not tasks:
+            return first
+        copy_s = recompute_s = 0.0
+        if decide is not None:
+            shares = tuple(Share(t.holder, len(t.page_ids)) for t in tasks)
+            costs = CopyCosts(shares, links, page_bytes, p, len(tokens), allocation.cached_tokens)
+            decision = decide(costs)
+            with self._lock:
+                self.copy_decisions[decision.reason] += 1
+                self.last_decision = decision
+            if not decision.copy:
+                return first
+            tasks = tasks[: decision.tasks]
+            copy_s, recompute_s = decision.copy_s, decision.recompute_s
+        plan = CopyPlan(tasks, first, tasks[-1].end, copy_s, recompute_s)
+        # What each page must hold: a copy is used only if its holder recorded the same
+        # digest (namespace, KV format, token chain) when it published the page.
+        expected = page_digests(namespace, self.store.kv_format, tokens[: plan.end * p], p)
+        sources = {t.holder: self.sources.get(peers[t.holder]) for t in tasks}
+        outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
+        for result in outcome.results:
+            remote = sources[result.task.holder].remote
+            nbytes = len(result.valid) * page_bytes
+            self.figures.copied(nbytes, remote)
+            refused = result.valid.count(False)
+            if refused:
+                with self._lock:
+                    self.copies_refused += refused
+            elif result.valid:  # a refused page may never have moved: no rate from it
+                self.links.observe(result.task.holder, remote, nbytes, result.seconds)
+        return outcome.end
+
+    # -- upkeep ------------------------------------------------------------------------
+
+    def housekeeping(self) -> None:
+        """Each publisher round: keep the page server up, let requests ask the service
+        again once the heartbeat reached it, detach the stores of dead peers (the mapping
+        would keep their memory), and unlink the segments of dead members on this node
+        (theirs to unlink, but a killed process cannot)."""
+        self.page_server.ensure_running()
+        if self.publisher.up and self.client.circuit_open:
+            self.client.reconnect()  # the heartbeat got through: requests may ask again
+        self.sources.detach_dead()
+        for name in reclaim_dead_segments():
+            log.info("%s reclaimed the segment %s of a dead member", self.worker_id, name)
+
+    def flush(self) -> bool:
+        """Publish pending events and the load now; True when the service is up to date
+        with the cache (False: it did not answer or refused; a resync follows)."""
+        return self.publisher.heartbeat()
+
+    def _report(self) -> WorkerReport:
+        return self.figures.report(self.cache.stats(), self._load())
+
+    def stats(self) -> dict[str, Any]:
+        """The member's own figures (a worker's stats add its serving's)."""
+        return {
+            "address": self.page_server.address,  # where peers on other nodes fetch pages
+            "prompt_tokens": self.figures.prompt_tokens(),
+            "copy_bytes": self.figures.copy_bytes_now(),
+            "cache": self.cache.stats(),
+            "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
+            "pages_served": self.page_server.pages_sent,
+            "copies_refused": self.copies_refused,
+            "page_server": self.page_server.health(),
+            "attached": self.sources.attached(),  # peers' stores mapped here, by name
+            "copy_decisions": dict(self.copy_decisions),  # by reason
+            "last_decision": None if self.last_decision is None else self.last_decision._asdict(),
+            "link_rates": self.links.snapshot(),
+        }
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        self.figures.check_integrity()
+        self.store.check_integrity()
+        self.page_server.check_integrity()
+        self.links.check_integrity()
+
+    def close(self) -> None:
+        """Say BYE, stop publishing and serving pages, close every source and client, and
+        unlink the store (peers' copies from it then miss). Idempotent."""
+        self.publisher.stop(bye=True)
+        self.page_server.stop()
+        self.copier.close()
+        self.sources.close()
+        self.client.close()
+        self.store.close()
+
+
+def look_up_peer(client: ServiceClient, worker_id: str) -> PeerInfo | None:
+    """A holder's entry in the service's registry (what its REGISTER carried); None when
+    the registry does not know it (gone since the match) or the service did not answer."""
+    try:
+        entry = client.peer(worker_id)
+    except (ServiceError, ServiceUnavailable) as exc:
+        log.info("no registry entry for %s: %s", worker_id, exc)
+        return None
+    if entry is None:
+        return None
+    log.info("found peer %s in the service's registry", worker_id)
+    return PeerInfo(worker_id, entry.node_id, entry.shm_name, entry.address, entry.page_key)
