@@ -44,10 +44,10 @@ from workers.service.publisher import EventPublisher
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import CompactionConfig, Compactor
 from workers.serving.loop import ServingLoop
-from workers.serving.model_runner import (
-    ModelRunner,
+from workers.serving.model_loader import (
     default_cache_dir,
     eos_token_ids,
+    full_prefill_logits,
     store_layout_for,
 )
 from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
@@ -144,7 +144,9 @@ class Worker:
         reclaim_dead_segments()
         self.store = SharedPageStore.create(layout, tag=worker_tag(settings.worker_id))
         self.cache = PrefixCache(self.store, settings.cache)
-        self.runner = ModelRunner(model, self.store)
+        # Built before anything starts: a store that cannot hold the model's KV fails here.
+        self.batch_runner = BatchRunner(model, self.store)
+        self.vocab_size = model.config.vocab_size
         self.context_tokens = models.model_shape(settings.model).context_tokens
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.transfer_auth = (
@@ -206,7 +208,6 @@ class Worker:
         self.copy_decisions: Counter[str] = Counter()  # by Decision.reason
         self.last_decision: Decision | None = None
         # Requests queue in the scheduler; one serving thread runs the model on batches.
-        self.batch_runner = BatchRunner(model, self.store)
         self.compactor = Compactor(self.store, settings.compaction)
         self.scheduler = Scheduler(
             self.cache,
@@ -339,10 +340,10 @@ class Worker:
         tokens = self._tokenize(prompt)
         if not tokens:
             raise ValueError("empty prompt")
-        check_tokens(tokens, self.runner.vocab_size)
+        check_tokens(tokens, self.vocab_size)
         check_max_new_tokens(max_new_tokens, len(tokens), self.context_tokens)
         params = SamplingParams.from_dict(sampling or {})
-        stops = set(check_tokens(list(stop_token_ids), self.runner.vocab_size, "stop token"))
+        stops = set(check_tokens(list(stop_token_ids), self.vocab_size, "stop token"))
         if not ignore_eos:
             stops |= self.eos_token_ids
         namespace = Namespace(self.model_name, adapter, salt)
@@ -675,8 +676,9 @@ class Worker:
         path = None
         if self.model_name != "tiny":
             path = default_cache_dir().parent / self.model_name / PROFILE_FILE
-        limit = getattr(self.runner.model.config, "max_position_embeddings", None)
-        prefill = timed_prefill(self.runner.full_prefill_logits, self.runner.vocab_size)
+        model = self.batch_runner.model
+        limit = getattr(model.config, "max_position_embeddings", None)
+        prefill = timed_prefill(lambda tokens: full_prefill_logits(model, tokens), self.vocab_size)
         return PrefillProfile.cached(path, key, prefill, max_tokens=limit)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
