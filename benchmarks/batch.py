@@ -36,7 +36,7 @@ from cache_service.events import Namespace
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.loop import ServingLoop
-from workers.serving.model_runner import load_smollm2, store_layout_for
+from workers.serving.model_loader import load_smollm2, store_layout_for
 from workers.serving.sampling import Sampler
 from workers.serving.scheduler import Scheduler, SchedulerConfig
 from workers.serving.sequence import Sequence

@@ -46,7 +46,7 @@ from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfi
 from workers.serving.batch_runner import BatchRunner, Chunk
 from workers.serving.compaction import Compactor, KvState, make_compaction_policy
 from workers.serving.compaction.kv_state import SCORES
-from workers.serving.model_runner import load_smollm2, store_layout_for
+from workers.serving.model_loader import load_smollm2, store_layout_for
 from workers.store.page_store import SharedPageStore
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")

@@ -56,7 +56,7 @@ def vllm_python(log=sys.stderr) -> Path:
 
 def model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder: the main venv's dequantised model cache."""
-    from workers.serving.model_runner import default_cache_dir, load_smollm2
+    from workers.serving.model_loader import default_cache_dir, load_smollm2
 
     load_smollm2()  # builds the folder the first time (~30 s), else only checks it
     return default_cache_dir()

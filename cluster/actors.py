@@ -94,7 +94,7 @@ def prepare_model(name: str, log) -> Any:
     worker at the same time) and return its tokenizer (None for the tiny test model)."""
     if name == "tiny":
         return None
-    from workers.serving.model_runner import default_cache_dir, load_smollm2
+    from workers.serving.model_loader import default_cache_dir, load_smollm2
 
     if not default_cache_dir().exists():
         print("preparing the model (first run: dequantising, ~20 s)...", file=log)

@@ -179,7 +179,7 @@ def user_turn(text: str) -> str:
 
 def _vocab_size(model: str) -> int:
     if model == "tiny":
-        from workers.serving.model_runner import tiny_llama
+        from workers.serving.model_loader import tiny_llama
 
         return tiny_llama().config.vocab_size
     return 0  # a model with a tokenizer: its own ids

@@ -50,10 +50,10 @@ from workers.serving import models
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import Compactor
 from workers.serving.loop import ServingLoop
-from workers.serving.model_runner import (
-    ModelRunner,
+from workers.serving.model_loader import (
     default_cache_dir,
     eos_token_ids,
+    full_prefill_logits,
     store_layout_for,
 )
 from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
@@ -132,10 +132,11 @@ class Worker:
         )
         self.store, self.cache = self.member.store, self.member.cache
         try:
-            self.runner = ModelRunner(model, self.store)
+            # A store that cannot hold the model's KV fails here, before anything starts.
+            self.batch_runner = BatchRunner(model, self.store)
+            self.vocab_size = model.config.vocab_size
             self.profile = self._prefill_profile()
             # Requests queue in the scheduler; one serving thread runs the model on batches.
-            self.batch_runner = BatchRunner(model, self.store)
             self.scheduler = Scheduler(
                 self.cache,
                 settings.scheduler,
@@ -225,7 +226,7 @@ class Worker:
 
     def _check(self, request: GenerateRequest) -> _Checked:
         """Check a request against this worker's model before anything is held."""
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         tokens = check_tokens(list(request.tokens), vocab)
         if not tokens:
             raise ValueError("empty prompt")
@@ -441,8 +442,9 @@ class Worker:
         path = None
         if self.model_name != "tiny":
             path = default_cache_dir().parent / self.model_name / PROFILE_FILE
-        limit = getattr(self.runner.model.config, "max_position_embeddings", None)
-        prefill = timed_prefill(self.runner.full_prefill_logits, self.runner.vocab_size)
+        model = self.batch_runner.model
+        limit = getattr(model.config, "max_position_embeddings", None)
+        prefill = timed_prefill(lambda tokens: full_prefill_logits(model, tokens), self.vocab_size)
         return PrefillProfile.cached(path, key, prefill, max_tokens=limit)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:

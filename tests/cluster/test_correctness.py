@@ -68,7 +68,7 @@ def prompt(mesh):
 @pytest.fixture(scope="module")
 def hf_model():
     """The same model in this process, for HF's own `generate` as the reference."""
-    from workers.serving.model_runner import load_smollm2
+    from workers.serving.model_loader import load_smollm2
 
     model, _ = load_smollm2()
     return model

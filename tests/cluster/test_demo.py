@@ -38,7 +38,7 @@ store: {num_pages: 512}
 workers: {count: 2, threads: 1, copy_policy: always}
 """
 SCALE = 0.4  # 2 questions per system prompt, 3 turns per conversation, 2 per tenant
-TINY_VOCAB = 256  # workers.serving.model_runner.tiny_llama
+TINY_VOCAB = 256  # workers.serving.model_loader.tiny_llama
 KEYS = {
     "requests",
     "prompt_tokens",

@@ -23,7 +23,7 @@ from cluster.config import ConfigError
 from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
 from workers.service.client import ServiceError, ServiceSkipped, ServiceUnavailable
 from workers.serving.loop import ServingStopped
-from workers.serving.model_runner import LayoutMismatchError, ModelNotFoundError
+from workers.serving.model_loader import LayoutMismatchError, ModelNotFoundError
 from workers.store.page_store import (
     NotOwnerError,
     PageStoreError,

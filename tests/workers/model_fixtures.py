@@ -1,5 +1,5 @@
-"""Helpers for model runner tests: a runner over a real store and prefix cache, reference
-KV and reference greedy decoding computed without any paging."""
+"""Helpers for tests that run a model over pages: the batch runner over a real store and
+prefix cache, and references computed by HF alone, without any paging."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from transformers import DynamicCache
 
 from cache_service.events import Namespace
 from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
-from workers.serving.model_runner import ModelRunner, PrefillResult, store_layout_for
+from workers.serving.batch_runner import BatchRunner, Chunk
+from workers.serving.model_loader import store_layout_for
 from workers.store.page_store import SharedPageStore
 
 NS = Namespace("tiny-llama")
 
 
 class Rig(NamedTuple):
-    runner: ModelRunner
+    runner: BatchRunner
     cache: PrefixCache
     store: SharedPageStore
 
@@ -32,12 +33,12 @@ class Rig(NamedTuple):
 def make_rig(
     model, num_pages: int = 48, page_tokens: int = 4, tag: str = "runner"
 ) -> Iterator[Rig]:
-    """A runner over a fresh store whose layout fits `model`, and a prefix cache over it.
-    The store is closed (its segment unlinked) on exit."""
+    """A batch runner over a fresh store whose layout fits `model`, and a prefix cache
+    over it. The store is closed (its segment unlinked) on exit."""
     store = SharedPageStore.create(store_layout_for(model, num_pages, page_tokens), tag=tag)
     try:
         cache = PrefixCache(store, PrefixCacheConfig(page_tokens=page_tokens))
-        yield Rig(ModelRunner(model, store), cache, store)
+        yield Rig(BatchRunner(model, store), cache, store)
     finally:
         store.close()
 
@@ -48,15 +49,17 @@ def make_prompt(n: int, seed: int = 0, low: int = 0, high: int = 200) -> list[in
     return torch.randint(low, high, (n,), generator=gen).tolist()
 
 
-def compute(rig: Rig, tokens: list[int], release: bool = True) -> tuple[Allocation, PrefillResult]:
-    """What a worker does with a prompt: acquire, prefill the uncached part, publish."""
+def compute(rig: Rig, tokens: list[int], release: bool = True) -> tuple[Allocation, torch.Tensor]:
+    """What a worker does with a prompt: acquire, run the uncached part in one pass,
+    publish. Returns the allocation and the last token's logits `(vocab,)`."""
     allocation = rig.cache.acquire(tokens, NS)
     assert allocation is not None, "store full"
-    result = rig.runner.prefill(allocation.pages, allocation.tokens, allocation.cached_tokens)
+    cached = allocation.cached_tokens
+    (logits,) = rig.runner.forward([Chunk(allocation.pages, tokens[cached:], cached)])
     allocation.publish(allocation.num_tokens)
     if release:
         allocation.release()
-    return allocation, result
+    return allocation, logits
 
 
 def held_kv(store: SharedPageStore, pages: list[int], end: int) -> torch.Tensor:
@@ -77,14 +80,26 @@ def reference_kv(model, tokens: list[int]) -> torch.Tensor:
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
 
 
-def reference_greedy(runner: ModelRunner, tokens: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding by a full prefill per token: slow, and no cache of any kind."""
-    tokens = list(tokens)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        out.append(int(torch.argmax(runner.full_prefill_logits(tokens))))
-        tokens.append(out[-1])
-    return out
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The last token's logits `(vocab,)` of HF's plain forward over all of `tokens`."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """HF's own greedy `generate` (its DynamicCache, no pages): the new tokens. `kwargs`
+    go to `generate` (`eos_token_id=None` runs to `max_new_tokens`)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

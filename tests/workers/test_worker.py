@@ -7,7 +7,7 @@ import torch
 
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.serving.model_runner import tiny_llama
+from workers.serving.model_loader import full_prefill_logits, tiny_llama
 from workers.serving.sampling import SamplingParams
 from workers.worker import CacheFull, Worker, WorkerSettings
 
@@ -55,7 +55,7 @@ PREFIX = [(7 * i + 3) % 250 for i in range(37)]
 
 
 def _expected(worker: Worker, tokens: list[int]) -> torch.Tensor:
-    return worker.runner.full_prefill_logits(tokens)
+    return full_prefill_logits(worker.batch_runner.model, tokens)
 
 
 def _check(out, expected: torch.Tensor) -> None:

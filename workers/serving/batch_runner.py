@@ -36,7 +36,7 @@ compaction policy's scores.
 
 Pages written here must be the caller's own (private, not yet published): no peer holds an
 expected generation for them until they are published, so they are written without a
-generation bump, as `workers.serving.model_runner` does.
+generation bump.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from workers.serving.model_loader import check_store_fits
 from workers.store.page_store import SharedPageStore
 
 if TYPE_CHECKING:
@@ -115,7 +116,9 @@ class BatchRunner:
         store: the owning page store, laid out for the model (`store_layout_for`).
 
     Raises:
-        ValueError: the model is not of that shape.
+        ValueError: the model is not of that shape, or lacks full attention in a layer.
+        LayoutMismatchError: the store does not fit the model, or is not the owning store
+            (`check_store_fits`).
     """
 
     def __init__(self, model: PreTrainedModel, store: SharedPageStore):
@@ -124,6 +127,7 @@ class BatchRunner:
             hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
         ):
             raise ValueError(f"{type(model).__name__} is not a Llama-architecture causal LM")
+        check_store_fits(model, store)
         self.model = model
         self.store = store
         self.page_tokens = store.layout.page_tokens

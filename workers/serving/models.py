@@ -24,7 +24,7 @@ class ModelShape(NamedTuple):
 
 
 # SmolLM2-135M-Instruct: Llama architecture, grouped-query attention (9 query heads over
-# 3 KV heads), an 8,192-token context. "tiny": random weights for tests (model_runner).
+# 3 KV heads), an 8,192-token context. "tiny": random weights for tests (model_loader.tiny_llama).
 KNOWN_MODELS = {
     "smollm2-135m": ModelShape(30, 3, 64, 8192, 49152),
     "tiny": ModelShape(2, 2, 16, 1024, 256),
@@ -53,7 +53,7 @@ def load(name: str, dtype: str = "float32") -> tuple[Any, Any]:
     """
     import torch
 
-    from workers.serving.model_runner import load_smollm2, tiny_llama
+    from workers.serving.model_loader import load_smollm2, tiny_llama
 
     shape = model_shape(name)
     if dtype not in DTYPES:

@@ -12,7 +12,7 @@ from tests.workers.model_fixtures import NS, make_prompt, make_rig, max_diff
 from workers.serving.batch_runner import BatchRunner, Chunk
 from workers.serving.compaction import CompactionConfig, Compactor
 from workers.serving.compaction.kv_state import SCORES
-from workers.serving.model_runner import tiny_llama
+from workers.serving.model_loader import tiny_llama
 
 P = 4  # tokens per page: the tiny model's page holds 2 layers x 2 KV heads = 4 lanes
 

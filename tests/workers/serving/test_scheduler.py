@@ -1,10 +1,13 @@
 """The worker's scheduler and serving loop (`workers.serving.scheduler`,
 `workers.serving.loop`) on the tiny model over a real page store and prefix cache:
 batches, same-batch sharing, continuous batching, chunked prefill, preemption; every
-output against the same request run alone."""
+output against the same request run alone. Generation over cached pages against HF's
+own `generate`: greedy, stop tokens, seeded sampling, streaming, running out of pages;
+and the real model (marked slow) reusing a long prefix."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,13 +16,19 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.workers.model_fixtures import NS, make_prompt, max_diff
+from tests.workers.model_fixtures import (
+    NS,
+    hf_greedy,
+    make_prompt,
+    max_diff,
+    reference_logits,
+)
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import CompactionConfig, Compactor
 from workers.serving.loop import ServingLoop
-from workers.serving.model_runner import store_layout_for, tiny_llama
-from workers.serving.sampling import Sampler
+from workers.serving.model_loader import eos_token_ids, store_layout_for, tiny_llama
+from workers.serving.sampling import Sampler, SamplingParams
 from workers.serving.scheduler import CacheFull, Scheduler, SchedulerConfig
 from workers.serving.sequence import Phase, Sequence
 from workers.store.page_store import SharedPageStore
@@ -57,12 +66,15 @@ def serving(
     pages: int = 96,
     chunk_tokens: int = 0,
     compaction: CompactionConfig | None = None,
+    page_tokens: int = P,
     **config,
 ) -> Iterator[Serving]:
-    store = SharedPageStore.create(store_layout_for(model, pages, P), tag="sched")
+    store = SharedPageStore.create(store_layout_for(model, pages, page_tokens), tag="sched")
     loop = None
     try:
-        cache = PrefixCache(store, PrefixCacheConfig(page_tokens=P, chunk_tokens=chunk_tokens))
+        cache = PrefixCache(
+            store, PrefixCacheConfig(page_tokens=page_tokens, chunk_tokens=chunk_tokens)
+        )
         compactor = None if compaction is None else Compactor(store, compaction)
         scheduler = Scheduler(cache, SchedulerConfig(**config), compactor=compactor)
         runner = BatchRunner(model, store)
@@ -82,8 +94,10 @@ def serving(
 _ids = iter(range(10**9))
 
 
-def seq(prompt: list[int], new: int = 6, **kwargs) -> Sequence:
-    return Sequence(next(_ids), list(prompt), NS, new, Sampler(None), **kwargs)
+def seq(
+    prompt: list[int], new: int = 6, sampling: SamplingParams | None = None, **kwargs
+) -> Sequence:
+    return Sequence(next(_ids), list(prompt), NS, new, Sampler(sampling), **kwargs)
 
 
 def alone(model, prompt: list[int], new: int = 6) -> tuple[list[int], torch.Tensor]:
@@ -244,3 +258,186 @@ def test_compaction_that_keeps_everything_changes_no_token(tiny):
         s.check_integrity()
     for done, prompt in zip(batch, prompts, strict=True):
         assert done.output == alone(tiny, prompt, 24)[0]
+
+
+# ---------------------------------------------------------------------------- generation
+
+FILLER = make_prompt(8, seed=99, low=200, high=256)  # never equal to a prompt token
+
+
+def test_generation_over_cached_pages_equals_hf_greedy_and_its_answer_is_reused(tiny):
+    prompt = make_prompt(22, seed=1)
+    with serving(tiny) as s:
+        s.run([seq(prompt[:13] + FILLER, 1)])  # leaves 13 of the prompt's tokens cached
+        (done,) = s.run([seq(prompt, 8)])
+        assert done.hits == (13, 0)  # three full pages and one token copied on write
+        assert done.output == hf_greedy(tiny, prompt, 8, eos_token_id=None)
+        assert done.finish_reason == "length"
+        # Every answer token but the last (never run) had its KV written, across two page
+        # boundaries, and published: a follow-up turn reuses every full page of it, and
+        # its logits over those pages are a full prefill's.
+        turn = prompt + done.output[:-1] + FILLER[:3]
+        (follow_up,) = s.run([seq(turn, 1, return_logits=True)])
+        assert follow_up.hits == (28, 0)
+        assert max_diff(follow_up.logits, reference_logits(tiny, turn)) < 1e-4
+        s.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("seed", "finish"), [(4, "stop"), (1, "length"), (6, "stop"), (3, "length")]
+)
+def test_greedy_with_the_models_eos_equals_hf_generate(tiny, seed, finish):
+    prompt = make_prompt(22, seed=seed)
+    # HF stops at the model's EOS (the tiny config's default, id 2), so the request is
+    # given the same stop tokens, as the worker gives it.
+    stops = eos_token_ids(tiny)
+    with serving(tiny) as s:
+        s.run([seq(prompt[:9] + FILLER, 1)])
+        (done,) = s.run([seq(prompt, 12, stops=stops)])
+        assert done.hits == (9, 0)
+        expected = hf_greedy(tiny, prompt, 12)
+        assert done.output == expected
+        assert done.finish_reason == finish
+        assert (expected[-1] in stops) == (finish == "stop")
+        s.check_integrity()
+
+
+@pytest.mark.parametrize("earliest", [0, 5], ids=["first-token", "later"])
+def test_a_stop_token_ends_generation_as_hf_eos_does_and_is_never_run(tiny, earliest):
+    prompt = make_prompt(22, seed=1)
+    greedy = hf_greedy(tiny, prompt, 12, eos_token_id=None)
+    assert len(greedy) == 12
+    # the first token at or after `earliest` not seen before, so it first appears there
+    k = next(i for i in range(earliest, 12) if greedy[i] not in greedy[:i])
+    stop = greedy[k]
+    with serving(tiny) as s:
+        (done,) = s.run([seq(prompt, 12, stops=frozenset({stop}))])
+        assert done.finish_reason == "stop"
+        assert done.output == greedy[: k + 1]
+        assert done.output == hf_greedy(tiny, prompt, 12, eos_token_id=stop)
+        # returned, but never run: the prompt, then one decode step per token before it
+        assert s.runner.tokens_run == len(prompt) + k
+        s.check_integrity()
+
+
+def test_a_sequence_that_cannot_grow_with_nothing_else_running_finishes_out_of_pages(tiny):
+    prompt = make_prompt(8, seed=4)  # exactly two pages, and the store has only two
+    with serving(tiny, pages=2) as s:
+        (done,) = s.run([seq(prompt, 4)])
+        assert done.finish_reason == "out_of_pages"
+        assert done.output == hf_greedy(tiny, prompt, 1, eos_token_id=None)
+        assert s.scheduler.preemptions == 0
+        assert s.cache.stats()["in_use_pages"] == 0
+        s.check_integrity()
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+
+
+def test_seeded_sampling_is_the_same_cold_and_over_cached_pages(tiny):
+    """The cached run's logits come from gathered pages, not a full prefill: equal to
+    ~1e-5, not bit for bit. The seeded tokens must not care."""
+    prompt = make_prompt(22, seed=5)
+    with serving(tiny) as s:
+        (cold,) = s.run([seq(prompt, 12, SAMPLING, return_logits=True)])
+        (cached,) = s.run([seq(prompt, 12, SAMPLING, return_logits=True)])
+        assert (cold.hits, cached.hits) == ((0, 0), (21, 0))
+        assert max_diff(cold.logits, cached.logits) < 1e-4
+        assert cold.output == cached.output and len(cold.output) == 12
+        other_seed = SamplingParams.from_dict(SAMPLING.to_dict() | {"seed": 4321})
+        (other,) = s.run([seq(prompt, 12, other_seed)])
+        assert other.output != cold.output
+        s.check_integrity()
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop"])
+def test_on_token_hands_each_token_over_before_the_next_pass(tiny, stop):
+    prompt = make_prompt(22, seed=6)
+    greedy = hf_greedy(tiny, prompt, 8, eos_token_id=None)
+    k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])
+    stops = frozenset({greedy[k]}) if stop else frozenset()
+    with serving(tiny) as s:
+        seen: list[tuple[int, int]] = []  # (token, forward passes run when it came)
+
+        def on_token(token: int) -> None:
+            seen.append((token, s.runner.calls))
+
+        (done,) = s.run([seq(prompt, 8, stops=stops, on_token=on_token)])
+        expected = greedy[: k + 1] if stop else greedy
+        assert done.output == expected
+        # token i comes after pass i + 1 (the prefill, then i decode steps), before the next
+        assert seen == [(token, i + 1) for i, token in enumerate(expected)]
+        s.check_integrity()
+
+
+def test_an_on_token_error_fails_its_request_only_with_the_pages_whole(tiny):
+    prompt, other = make_prompt(22, seed=7), make_prompt(10, seed=8)
+
+    def on_token(token: int) -> None:
+        raise RuntimeError(f"client gone at {token}")
+
+    with serving(tiny) as s:
+        failing, going = seq(prompt, 8, on_token=on_token), seq(other, 4)
+        s.loop.submit([failing, going])
+        with pytest.raises(RuntimeError, match="client gone"):
+            failing.result(timeout_s=60)
+        assert failing.output == hf_greedy(tiny, prompt, 1, eos_token_id=None)
+        assert going.result(timeout_s=60).output == hf_greedy(tiny, other, 4, eos_token_id=None)
+        assert s.loop.alive and s.cache.stats()["in_use_pages"] == 0
+        # The prompt's full pages, published as its prefill wrote them, hold its KV.
+        (again,) = s.run([seq(prompt, 1, return_logits=True)])
+        assert again.hits == (20, 0)
+        assert max_diff(again.logits, reference_logits(tiny, prompt)) < 1e-4
+        s.check_integrity()
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+CHAT = [
+    {
+        "role": "system",
+        "content": "You are a careful assistant for a team that runs LLM inference services. "
+        "Answer in plain English, in short paragraphs, and say when you are unsure. "
+        "The team cares about latency, memory, and correctness above all else.",
+    },
+    {
+        "role": "user",
+        "content": "Our service keeps the attention keys and values of every prompt in fixed "
+        "size pages of shared memory. When a new prompt starts with the same tokens as an "
+        "earlier one, a worker copies those pages instead of computing them again, and only "
+        "runs the model on the rest of the prompt. Pages are indexed in a trie keyed by the "
+        "exact token ids, so two prompts share a page only when every token in it matches. "
+        "Workers on other machines can fetch pages over the network from the worker that "
+        "holds them, and a central service tracks which worker holds which prefix. "
+        "Each page carries a generation counter that changes when the page is freed or "
+        "rewritten, so a reader can tell a stale copy from a good one. Explain in three "
+        "sentences why reusing cached pages reduces the time to the first token, and what "
+        "could go wrong if the page index matched prompts by hash alone without comparing "
+        "the tokens. Then list two ways a worker could check that a copied page is still "
+        "valid after the copy, and say which one you would choose for a cluster where "
+        "workers come and go every few minutes and the network sometimes drops messages. "
+        "Keep the whole answer under two hundred words.",
+    },
+]
+
+
+@pytest.mark.slow
+def test_smollm2_reuses_a_250_token_prefix(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    prompt = list(prompt)
+    assert len(prompt) >= 290, f"chat prompt has {len(prompt)} tokens, 290 wanted"
+    other_ending = tokenizer.encode(" Please answer in French instead.")
+    with serving(model, pages=48, page_tokens=16) as s:
+        s.run([seq(prompt[:250] + other_ending, 1)])
+        (done,) = s.run([seq(prompt, 8, return_logits=True)])
+        assert done.hits == (250, 0)  # 15 full pages and 10 tokens copied on write
+        assert max_diff(done.logits, reference_logits(model, prompt)) < 1e-4
+        assert done.output == hf_greedy(model, prompt, 8)
+        print(
+            f"\nSmolLM2 {len(prompt)}-token chat prompt, 250 cached: first token after "
+            f"{done.first_token_at - done.admitted_at:.3f} s; 8 tokens "
+            f"{tokenizer.decode(done.output)!r}",
+            file=sys.stderr,
+        )
+        s.check_integrity()

@@ -10,7 +10,7 @@ import pytest
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
 from tests.workers.transfer.slow_link import slow_down
 from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.serving.model_runner import tiny_llama
+from workers.serving.model_loader import tiny_llama
 from workers.transfer import costs
 from workers.transfer.costs import (
     CopyCosts,
