@@ -361,7 +361,7 @@ class Chaos:
         self.codes: Counter[str] = Counter()  # the error codes of the replies
         self.unexpected: list[str] = []
         self.unresponsive = 0  # bursts after which the service did not answer
-        front_door = mesh._keys.front_door
+        front_door = mesh.keys.front_door
         self.keys = (front_door.public, front_door.secret)
         # The benchmark's own client: no circuit breaker, re-resolves after a timeout.
         self.client = ServiceClient(ray_resolver(), timeout_s=1.0, retries=1, client_keys=self.keys)
@@ -501,7 +501,7 @@ def _lose_next_batch(worker) -> None:
     """(Runs in the worker's process.) The publisher's next events batch never reaches
     the service, and the publisher takes it as applied, as a batch lost on the wire after
     the sender moved on would be."""
-    client = worker.publisher.client
+    client = worker.member.publisher.client
 
     def lost(worker_id, epoch, seq, events):
         del client.publish_events  # the instance attribute: one batch only
@@ -627,9 +627,9 @@ def _measure_outage(mesh, workload: Workload, chaos: Chaos, log) -> dict[str, An
         file=log,
     )
     up = _loop(workload, probes, "up", UP_S)
-    skipped = mesh._client.skipped
+    skipped = mesh.service_client.skipped
     paused = _while_paused(workload, probes)
-    skipped = mesh._client.skipped - skipped
+    skipped = mesh.service_client.skipped - skipped
     chaos.faults["service_pause"] += 1
     _await_recovery(mesh, chaos.client, log)
     ray.kill(get_service(), no_restart=False)

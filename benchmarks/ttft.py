@@ -40,7 +40,7 @@ def _roles(mesh) -> tuple[str, str, str]:
     """(near, asker, far): near and asker share a node, far is alone on the other."""
     by_node: dict[str, list[str]] = {}
     for info in ray.get([w.info.remote() for w in mesh.workers.values()]):
-        by_node.setdefault(info["node_id"], []).append(info["worker_id"])
+        by_node.setdefault(info.node_id, []).append(info.worker_id)
     pairs = [sorted(ids) for ids in by_node.values() if len(ids) == 2]
     alone = [ids[0] for ids in by_node.values() if len(ids) == 1]
     if len(pairs) != 1 or len(alone) != 1:
@@ -49,7 +49,7 @@ def _roles(mesh) -> tuple[str, str, str]:
 
 
 def _copy_bytes(mesh, worker: str) -> dict[str, int]:
-    return ray.get(mesh.workers[worker].stats.remote())["copy_bytes"]
+    return ray.get(mesh.workers[worker].stats.remote()).copy_bytes
 
 
 def run(log=sys.stderr) -> dict[str, float]:

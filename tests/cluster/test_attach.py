@@ -77,7 +77,7 @@ def this_node() -> tuple[str, str]:
 def started(ray_local):
     """The module's mesh, and the names of its workers' page stores."""
     mesh = cluster.connect(tiny_config(), log=io.StringIO())
-    stores = [ray.get(w.info.remote())["shm_name"] for w in mesh.workers.values()]
+    stores = [ray.get(w.info.remote()).shm_name for w in mesh.workers.values()]
     yield mesh, stores
     mesh.shutdown()  # idempotent: the last test has already stopped it
 
@@ -120,7 +120,7 @@ def test_connect_attaches_without_arguments_and_by_address(owner):
                 mine = ray.get(mesh.workers[worker_id].info.remote())
                 theirs = ray.get(owner.workers[worker_id].info.remote())
                 assert mine == theirs
-                assert mine["worker_id"] == worker_id
+                assert mine.worker_id == worker_id
         # Attaching started nothing.
         assert kvmesh_actor_names() == ["kvmesh-service", "kvmesh-worker-w0", "kvmesh-worker-w1"]
     finally:

@@ -35,7 +35,7 @@ def test_a_long_generation_is_compacted_in_the_worker_and_finishes():
         assert result.stats["preemptions"] == 0
         assert result.stats["compacted_pages_freed"] > 0
         (handle,) = mesh.workers.values()
-        scheduler = ray.get(handle.stats.remote())["scheduler"]
+        scheduler = ray.get(handle.stats.remote()).scheduler
         assert scheduler["compaction_policy"] == "h2o" and scheduler["compactions"] >= 2
         assert scheduler["compacted_pages_freed"] == result.stats["compacted_pages_freed"]
         mesh.check_integrity()

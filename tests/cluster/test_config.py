@@ -29,8 +29,8 @@ def test_empty_mapping_gives_defaults():
         ({"cache": {"page_tokn": 16}}, "unknown key 'cache.page_tokn'"),
         (
             {"modle": {}},
-            "unknown key 'modle'; known: cache, compaction, model, security, service, store, "
-            "workers",
+            "unknown key 'modle'; known: cache, compaction, model, routing, security, service, "
+            "store, workers",
         ),
         ({"cache": {"page_tokens": "16"}}, "cache.page_tokens must be int, got '16'"),
         ({"cache": {"page_tokens": True}}, "cache.page_tokens must be int"),
@@ -48,6 +48,10 @@ def test_empty_mapping_gives_defaults():
         ({"compaction": {"policy": "h2o", "budget": "half"}}, "compaction.budget must be"),
         ({"compaction": {"budget": [0.5, 0.5]}}, "2 per-layer values; smollm2-135m has 30"),
         ({"compaction": {"high_water": 1.5}}, "high_water must be in"),
+        (
+            {"routing": {"policy": "random"}},
+            "routing.policy 'random' is not a policy; known: kvmesh",
+        ),
         ([], "config must be a mapping"),
     ],
 )

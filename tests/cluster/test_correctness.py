@@ -102,7 +102,7 @@ def roles(mesh) -> Roles:
     infos = ray.get([w.info.remote() for w in mesh.workers.values()])
     by_node: dict[str, list[str]] = {}
     for info in infos:
-        by_node.setdefault(info["node_id"], []).append(info["worker_id"])
+        by_node.setdefault(info.node_id, []).append(info.worker_id)
     assert sorted(len(ids) for ids in by_node.values()) == [1, 2]  # spread over both nodes
     (pair,) = (sorted(ids) for ids in by_node.values() if len(ids) == 2)
     (alone,) = (ids[0] for ids in by_node.values() if len(ids) == 1)
@@ -341,14 +341,14 @@ def test_concurrent_calls_from_threads_are_batched_on_one_worker(mesh, roles):
 
     prompts = [p[-40:] for p in _questions(mesh, 4)]  # the questions' ends: no shared pages
     alone = [mesh.generate(p, 12, tenant="threads-ref", worker=roles.neighbour) for p in prompts]
-    before = ray.get(mesh.workers[roles.neighbour].stats.remote())["scheduler"]
+    before = ray.get(mesh.workers[roles.neighbour].stats.remote()).scheduler
     with ThreadPoolExecutor(4) as pool:
         futures = [
             pool.submit(mesh.generate, p, 12, tenant="threads", worker=roles.neighbour)
             for p in prompts
         ]
         together = [f.result() for f in futures]
-    after = ray.get(mesh.workers[roles.neighbour].stats.remote())["scheduler"]
+    after = ray.get(mesh.workers[roles.neighbour].stats.remote()).scheduler
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     passes = after["forward_calls"] - before["forward_calls"]
     assert passes < sum(len(r.token_ids) for r in together)  # one by one: a pass a token

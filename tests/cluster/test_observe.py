@@ -215,7 +215,7 @@ def test_every_family_reaches_prometheus_with_its_labels(observed):
     }
     kinds = prometheus.values("sum by (kind) (kvmesh_copy_bytes_total)")
     assert {dict(labels)["kind"] for labels in kinds} == {"same_node", "remote"}
-    page_bytes = ray.get(observed["mesh"].workers["w1"].stats.remote())["copy_bytes"]
+    page_bytes = ray.get(observed["mesh"].workers["w1"].stats.remote()).copy_bytes
     assert {dict(labels)["kind"]: v for labels, v in kinds.items()} == page_bytes
     hits = prometheus.value('sum(kvmesh_ttft_seconds_count{cache="hit"})')
     misses = prometheus.value('sum(kvmesh_ttft_seconds_count{cache="miss"})')

@@ -274,7 +274,7 @@ def test_a_running_mesh_reserves_its_workers_resources(ray_local):
         assert bundle_nodes(find_group()) == {0: node_id, 1: node_id}
         # Each worker runs in its bundle, on that node.
         infos = ray.get([w.info.remote() for w in mesh.workers.values()])
-        assert [info["node_id"] for info in infos] == [node_id, node_id]
+        assert [info.node_id for info in infos] == [node_id, node_id]
         out = mesh.generate(list(range(3, 40)), 2, worker="w1")
         assert out.stats["computed_tokens"] == 37
         mesh.check_integrity()

@@ -308,7 +308,7 @@ from workers.service.client import ServiceClient, ray_resolver
 mesh = cluster.connect(address=sys.argv[1])
 on = {node["address"]: node["workers"] for node in mesh.stats()["nodes"].values()}
 a, b = on[sys.argv[2]][0], on[sys.argv[3]][0]
-service = ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh._keys.front_door)
+service = ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh.keys.front_door)
 prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(70)] for i in range(3)]  # 4 pages + 6
 reference = [mesh.generate(p, 4, tenant="cut", worker=a, reuse=False).token_ids for p in prompts]
 

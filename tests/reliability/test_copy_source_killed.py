@@ -43,17 +43,17 @@ def mesh(ray_cluster):
 def test_a_holder_killed_mid_reply_costs_a_recompute_and_nothing_else(mesh):
     holder, copier = (mesh.workers[w] for w in ("w0", "w1"))
     infos = {w: ray.get(mesh.workers[w].info.remote()) for w in ("w0", "w1")}
-    assert infos["w0"]["node_id"] != infos["w1"]["node_id"]  # a copy across nodes
+    assert infos["w0"].node_id != infos["w1"].node_id  # a copy across nodes
     reference = mesh.generate(PROMPT, 4, tenant="mid", worker="w1", reuse=False).token_ids
     mesh.generate(PROMPT, 4, tenant="mid", worker="w0")
     mesh.flush()
     held = ray.get(holder.stats.remote())
-    assert held["page_server"]["encrypt"]
+    assert held.page_server["encrypt"]
     page_bytes = mesh.config.store_layout().page_bytes
     assert 30 * page_bytes > 2 * KILL_AFTER  # the cut falls well inside the reply
 
     _, pid = ray.get(holder.process.remote())
-    relay = KillingRelay(infos["w0"]["page_address"], pid, KILL_AFTER)
+    relay = KillingRelay(infos["w0"].page_address, pid, KILL_AFTER)
     try:
         ray.get(copier.set_peers.remote([{**infos["w0"], "page_address": relay.address}]))
         started = time.monotonic()
@@ -76,10 +76,10 @@ def test_a_holder_killed_mid_reply_costs_a_recompute_and_nothing_else(mesh):
     # The broken connection ended the copy at once, not the page client's timeout.
     assert took < PageClient(relay.address).timeout_s
     stats = ray.get(copier.stats.remote())
-    assert stats["copy_bytes"]["remote"] > 0  # the copy was attempted, and counted
+    assert stats.copy_bytes["remote"] > 0  # the copy was attempted, and counted
     # The copier's pages hold its own computation, as many as the holder's held after the
     # same request: nothing half-copied on top.
-    assert stats["cache"]["cached_pages"] == held["cache"]["cached_pages"]
+    assert stats.cache["cached_pages"] == held.cache["cached_pages"]
     ray.get(copier.check_integrity.remote())
     # The front door saw the death; the holder is out of routing.
     wait_until(lambda: "w0" not in mesh.live_workers(), 10, "w0 seen dead")

@@ -46,7 +46,7 @@ def mesh(ray_local):
 
 
 def front_door_client(mesh) -> ServiceClient:
-    return ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh._keys.front_door)
+    return ServiceClient(ray_resolver(), timeout_s=2.0, client_keys=mesh.keys.front_door)
 
 
 def holders(client: ServiceClient, mesh, tokens: list[int], tenant: str) -> set[str]:
@@ -85,7 +85,7 @@ def test_a_killed_copy_source_costs_no_request(mesh):
         for i, (t, _) in enumerate(requests)
     }
     _, w0_pid = ray.get(mesh.workers["w0"].process.remote())
-    w0_store = ray.get(mesh.workers["w0"].info.remote())["shm_name"]
+    w0_store = ray.get(mesh.workers["w0"].info.remote()).shm_name
 
     answers: dict[int, list[int]] = {}
     copied: list[int] = []

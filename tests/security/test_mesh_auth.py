@@ -66,10 +66,10 @@ def test_authentication_is_on_by_default(mesh):
 def test_page_servers_refuse_clients_outside_the_mesh(mesh):
     mesh.generate(PROMPT, 4, tenant="c", worker="w0")
     info = ray.get(mesh.workers["w0"].info.remote())
-    with SharedPageStore.attach(info["shm_name"]) as view:
+    with SharedPageStore.attach(info.shm_name) as view:
         layout = view.layout
         generations = view.generations([0, 1])
-    outsider = PageClient(info["page_address"], timeout_s=0.5)
+    outsider = PageClient(info.page_address, timeout_s=0.5)
     with SharedPageStore.create(layout, tag="outsider") as store:
         assert outsider.fetch([0, 1], generations, store, store.allocate(2)) == [False, False]
         assert not store.page_range(0, 2).any()

@@ -151,7 +151,7 @@ def attacker(mesh) -> ServiceClient:
     """A client of the service: anyone when authentication is off, else one holding w0's key
     (a compromised worker)."""
     endpoint = ray.get(get_service().endpoint.remote())
-    keys = mesh._keys.workers["w0"] if mesh._keys is not None else None
+    keys = mesh.keys.workers["w0"] if mesh.keys is not None else None
     return ServiceClient(
         ServiceEndpoint(endpoint["address"], endpoint["server_key"]), client_keys=keys
     )
