@@ -3,11 +3,9 @@ codec knows nothing of the index; the index is plain Python and numpy."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from tests.layers import loaded_modules, violations
 
 FORBIDDEN = {
     "cache_service.messages": ["cache_service.protocol", "cache_service.index", "numpy"],
@@ -17,18 +15,12 @@ FORBIDDEN = {
 }
 
 
-def imported_by(module: str) -> set[str]:
-    """Every module a fresh interpreter has loaded once it imported `module`."""
-    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return set(json.loads(out.stdout))
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, set[str]]:
+    return loaded_modules(FORBIDDEN)
 
 
 @pytest.mark.parametrize("module", sorted(FORBIDDEN))
-def test_a_layer_imports_nothing_above_it(module):
-    loaded = imported_by(module)
-    for forbidden in FORBIDDEN[module]:
-        found = sorted(
-            name for name in loaded if name == forbidden or name.startswith(forbidden + ".")
-        )
-        assert not found, f"importing {module} loads {found}"
+def test_a_layer_imports_nothing_above_it(loaded, module):
+    found = violations(loaded[module], FORBIDDEN[module])
+    assert not found, f"importing {module} loads {found}"

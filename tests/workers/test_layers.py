@@ -1,0 +1,96 @@
+"""The worker side's layers, checked in a fresh interpreter for each package: what every
+module of it loads, and so what it may depend on.
+
+    engines/  worker.py  actor.py (Ray)       the members' own compute, and the Ray seam
+         \\      |      /
+          member.py   api.py                  one mesh member; the typed seam
+         /    |    \\    \\
+    service/ transfer/ serving/               the service link, moving pages, serving
+         \\      |      /
+          cache/  ->  store/                  the trie (pure Python) over the page store
+
+The trie and the service link never load torch; nothing below the actor loads Ray; the
+serving engine never speaks ZMQ; transfer never reaches the cache or the serving engine;
+the mesh member is built without a model, so an engine (vLLM) joins without ours.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.layers import loaded_modules, violations
+
+ABOVE_MEMBER = ["workers.worker", "workers.actor", "workers.engines"]
+FORBIDDEN = {
+    "workers.store": [
+        "ray",
+        "zmq",
+        "workers.cache",
+        "workers.transfer",
+        "workers.service",
+        "workers.serving",
+        "workers.member",
+        *ABOVE_MEMBER,
+    ],
+    "workers.cache": [
+        "torch",
+        "ray",
+        "zmq",
+        "msgpack",
+        "workers.transfer",
+        "workers.service",
+        "workers.serving",
+        "workers.member",
+        *ABOVE_MEMBER,
+    ],
+    "workers.transfer": [
+        "ray",
+        "transformers",
+        "workers.cache",
+        "workers.service",
+        "workers.serving",
+        "workers.member",
+        *ABOVE_MEMBER,
+    ],
+    "workers.service": [
+        "torch",
+        "ray",
+        "workers.transfer",
+        "workers.serving",
+        "workers.member",
+        *ABOVE_MEMBER,
+    ],
+    "workers.serving": [
+        "ray",
+        "zmq",
+        "workers.transfer",
+        "workers.service",
+        "workers.member",
+        *ABOVE_MEMBER,
+    ],
+    "workers.member": ["ray", "transformers", "workers.serving", *ABOVE_MEMBER],
+    "workers.api": ["ray", "workers.member", *ABOVE_MEMBER],
+    "workers.engines.engine": ["ray", "transformers", "workers.serving", "workers.worker"],
+    "workers.worker": ["ray", "workers.actor", "workers.engines"],
+    "cache_service.routing": [
+        "ray",
+        "zmq",
+        "torch",
+        "msgpack",
+        "numpy",
+        "cache_service.index",
+        "cache_service.protocol",
+    ],
+    "cluster.inflight": ["ray", "zmq", "torch"],
+}
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, set[str]]:
+    return loaded_modules(FORBIDDEN)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_layer_loads_nothing_above_it(loaded, package):
+    found = violations(loaded[package], FORBIDDEN[package])
+    assert not found, f"importing {package} loads {found}"
