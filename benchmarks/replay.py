@@ -18,10 +18,13 @@ does not is an error rather than something to clip silently.
 
 One request, in order (no concurrency):
 
-    route       round-robin: worker i % N.  prefix: GlobalIndex.route(prompt, loads).
+    route       GlobalIndex.route(prompt, loads, policy): the routing policy named
+                (`cache_service.routing`; "prefix" is kvmesh's own, round-robin takes
+                worker i % N).
     acquire     the worker's cache matches its local prefix (full pages, then maybe a
                 copy-on-write of part of a page; never the last prompt token).
-    copy in     prefix only: full pages that other workers hold beyond the local match,
+    copy in     with the mesh (every policy but round-robin, which replays per-worker
+                caches): full pages that other workers hold beyond the local match,
                 per GlobalIndex.match, count as remote hits.
     publish     the whole prompt: the copied-in pages become local like computed ones.
     release     then the worker's KV events go to the index (one batch, seq + 1).
@@ -29,7 +32,7 @@ One request, in order (no concurrency):
 Accounting, per request of n prompt tokens:
 
     local   = allocation.cached_tokens (full pages + copy-on-write tokens, <= n - 1)
-    remote  = max(0, min(matched_tokens, n - 1) - local)   (prefix routing only)
+    remote  = max(0, min(matched_tokens, n - 1) - local)   (with the mesh only)
     hit     = local + remote;   computed = n - hit
 
 The cap at n - 1 and the copy-on-write are the local cache's own rules, and a remote copy
@@ -54,7 +57,7 @@ Cost on the conversation trace (12,031 requests, 145M prompt tokens, 512-token p
 about 20 s per pass and two passes (the replay, then the infinite cache), ~1 GB peak:
 every cached page is keyed by its 2 KiB of tokens, in a worker's trie and in the index.
 
-Loads for prefix routing: the index's routing weighs each worker's queue in prompt
+Loads for routing: kvmesh's routing weighs each worker's queue in prompt
 tokens against what it would compute and copy (`cache_service.routing`). Trace
 timestamps are not used (serving speed is not modelled), so the replay stands in for a
 worker's queue with what it computed over the last `load_window` requests beyond the
@@ -78,6 +81,7 @@ import numpy as np
 
 from cache_service.events import Namespace
 from cache_service.index import GlobalIndex
+from cache_service.routing import POLICIES
 from cache_service.tokens import pack_tokens
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.store.page_pool import PagePool
@@ -284,26 +288,31 @@ def _trace_shape(requests: Sequence[TraceRequest], page_tokens: int) -> _TraceSh
 
 
 class _Routing(NamedTuple):
-    """A routing policy: how a worker is chosen, and whether it copies in remote pages."""
+    """How requests pick a worker (a policy of the registry), and whether workers copy in
+    pages their peers hold."""
 
-    choose: Callable[[_Cluster, int, bytes], str]
+    policy: str
     copy_remote: bool
 
 
-def _round_robin(cluster: _Cluster, i: int, packed: bytes) -> str:
-    return cluster.worker_ids[i % len(cluster.worker_ids)]
+# What `--routing` takes: every routing policy (`cache_service.routing.POLICIES`), and
+# "prefix", kvmesh's own under the name it had first. Round-robin replays what a team has
+# without kvmesh: per-worker caches, nothing copied between them; every other policy
+# replays the mesh (the global index, copies from peers).
+ALIASES = {"prefix": "kvmesh"}
+ROUTINGS = (*ALIASES, *POLICIES)
 
 
-def _prefix(cluster: _Cluster, i: int, packed: bytes) -> str:
-    decision = cluster.index.route(NAMESPACE, packed, cluster.loads())
-    assert decision.worker_id is not None, "every simulated worker is registered"
-    return decision.worker_id
+def _routing(name: str) -> _Routing:
+    """The routing `--routing name` replays.
 
-
-ROUTINGS: dict[str, _Routing] = {
-    "round-robin": _Routing(_round_robin, copy_remote=False),
-    "prefix": _Routing(_prefix, copy_remote=True),
-}
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    policy = ALIASES.get(name, name)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing {name!r}; known: {', '.join(ROUTINGS)}")
+    return _Routing(policy, copy_remote=policy != "round-robin")
 
 
 class _Served(NamedTuple):
@@ -451,8 +460,9 @@ def _run(
     for i, request in enumerate(requests):
         tokens = request_tokens(request)
         packed = pack_tokens(tokens)
-        worker_id = routing.choose(cluster, i, packed)
-        served = cluster.serve(worker_id, tokens, packed, routing.copy_remote)
+        decision = cluster.index.route(NAMESPACE, packed, cluster.loads(), policy=routing.policy)
+        assert decision.worker_id is not None, "every simulated worker is registered"
+        served = cluster.serve(decision.worker_id, tokens, packed, routing.copy_remote)
         totals.input += request.input_length
         totals.local += served.local
         totals.remote += served.remote
@@ -484,7 +494,7 @@ def replay(
         requests: the trace (e.g. from `load_trace`), served in order.
         workers: simulated workers, each with its own prefix cache.
         pages_per_worker: pages in each worker's pool.
-        routing: "round-robin" or "prefix" (see ROUTINGS).
+        routing: a name of ROUTINGS: a routing policy, or "prefix" (kvmesh's).
         page_tokens: tokens per cache page.
         progress: True for a progress bar on stderr, or a callable given a
             ReplayProgress; False for silence.
@@ -499,8 +509,7 @@ def replay(
         ValueError: no requests, a non-positive count, an unknown routing (the known
             ones are named), or a request longer than a worker's pool.
     """
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
+    chosen = _routing(routing)
     for name, value in (
         ("workers", workers),
         ("pages_per_worker", pages_per_worker),
@@ -526,7 +535,7 @@ def replay(
 
     started = time.perf_counter()
     cluster = _Cluster(workers, pages_per_worker, page_tokens, load_window)
-    totals = _run(cluster, requests, ROUTINGS[routing], "replay", report)
+    totals = _run(cluster, requests, chosen, "replay", report)
     replay_s = time.perf_counter() - started
     index_stats = cluster.index.stats()
     figures_cluster = {
@@ -541,7 +550,7 @@ def replay(
     # Every page the trace can publish, plus room for the largest request in flight.
     infinite_pages = shape.distinct_full_pages + shape.max_request_pages
     infinite = _Cluster(1, infinite_pages, page_tokens, load_window)
-    infinite_totals = _run(infinite, requests, ROUTINGS["round-robin"], "infinite", report)
+    infinite_totals = _run(infinite, requests, _routing("round-robin"), "infinite", report)
     assert _evicted(infinite) == 0, f"the infinite cache of {infinite_pages} pages evicted"
     del infinite
     seconds = time.perf_counter() - started
@@ -594,7 +603,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pages-per-worker", type=_positive_int, required=True, help="pages in each worker's pool"
     )
     parser.add_argument(
-        "--routing", choices=list(ROUTINGS), required=True, help="how requests pick a worker"
+        "--routing", choices=ROUTINGS, required=True, help="how requests pick a worker"
     )
     parser.add_argument(
         "--page-tokens",

@@ -10,12 +10,13 @@ on the CPU), each policy on a fresh mesh (an empty cache):
   each: a turn's prompt is the whole conversation so far (the earlier turns' answers
   included), so a client sends a conversation's turns one after the other.
 
-Policies:
-- `kvmesh`: the mesh routes (`cluster.connect`'s front door: what each worker holds,
-  would copy and compute, against its queue and the requests in flight);
+Policies, each the mesh's `routing.policy` (`cache_service.routing`: the service runs it
+over its index, the front door's requests in flight and the workers' reported loads):
+- `kvmesh`: kvmesh's own (what each worker holds, would copy and compute, against its
+  queue and the requests in flight);
 - `rr`: round-robin over the workers, request by request;
-- `affinity`: every request of a system prompt (and its conversations) goes to the worker
-  that took the first of them: always the holder, load ignored.
+- `affinity`: SGLang's cache-aware rule (`prefix-affinity`): the worker holding the
+  longest prefix while the loads are balanced, the least loaded when they are not.
 
 Figures are client-side (`ttft_client_s`: from the call to the first token, routing and
 queueing included): `requests_per_s_<p>`, `ttft_p50_<p>_s`, `ttft_p99_<p>_s`, and
@@ -26,7 +27,7 @@ the same work under every policy).
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import queue
 import random
 import statistics
@@ -38,7 +39,7 @@ from typing import Any
 import ray
 
 import cluster
-from cluster.config import config_from_dict
+from cluster.config import RoutingConfig, config_from_dict
 from cluster.demo_prompts import CONVERSATIONS, QUESTIONS, SYSTEM_PROMPTS
 
 CLIENTS = 8
@@ -60,32 +61,14 @@ def _jobs(seed: int = 11) -> list[tuple[str, Any]]:
     return jobs
 
 
-class _Policy:
-    """Where a request goes under one policy (None: the mesh routes it)."""
-
-    def __init__(self, name: str, workers: list[str]):
-        self.name = name
-        self.workers = workers
-        self._turn = itertools.count()
-        self._home: dict[str, str] = {}  # system prompt -> the worker that took it first
-        self._lock = threading.Lock()
-
-    def worker(self, system: str) -> str | None:
-        if self.name == "kvmesh":
-            return None
-        with self._lock:
-            if self.name == "rr":
-                return self.workers[next(self._turn) % len(self.workers)]
-            if system not in self._home:
-                self._home[system] = self.workers[next(self._turn) % len(self.workers)]
-            return self._home[system]
+# The benchmark's name of each policy -> its name in the routing registry.
+REGISTRY_NAMES = {"kvmesh": "kvmesh", "rr": "round-robin", "affinity": "prefix-affinity"}
 
 
 def _run_policy(name: str, cfg, jobs, log) -> dict[str, Any]:
     mesh = cluster.connect(cfg, log=log)
     try:
         tokenizer = mesh.tokenizer
-        policy = _Policy(name, sorted(mesh.workers))
         results: list[Any] = []
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -93,14 +76,12 @@ def _run_policy(name: str, cfg, jobs, log) -> dict[str, Any]:
         for job in jobs:
             work.put(job)
 
-        def ask(system: str, messages: list[dict[str, str]]) -> Any:
+        def ask(messages: list[dict[str, str]]) -> Any:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
             tokens = list(tokenizer.encode(text))
-            result = mesh.generate(
-                tokens, NEW_TOKENS, worker=policy.worker(system), ignore_eos=True
-            )
+            result = mesh.generate(tokens, NEW_TOKENS, ignore_eos=True)
             with lock:
                 results.append(result)
             return result
@@ -114,11 +95,11 @@ def _run_policy(name: str, cfg, jobs, log) -> dict[str, Any]:
                         return
                     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
                     if kind == "single":
-                        ask(system, [*messages, {"role": "user", "content": payload}])
+                        ask([*messages, {"role": "user", "content": payload}])
                         continue
                     for turn in payload:
                         messages.append({"role": "user", "content": turn})
-                        answer = ask(system, messages)
+                        answer = ask(messages)
                         messages.append({"role": "assistant", "content": answer.text})
             except BaseException as exc:  # noqa: BLE001 - reported after the run
                 with lock:
@@ -171,7 +152,8 @@ def run(log=sys.stderr, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     try:
         for name in policies:
             print(f"policy {name}: a fresh mesh, {CLIENTS} clients...", file=log)
-            figures |= _run_policy(name, cfg, jobs, log)
+            routed = dataclasses.replace(cfg, routing=RoutingConfig(REGISTRY_NAMES[name]))
+            figures |= _run_policy(name, routed, jobs, log)
             print(
                 f"  {figures[f'requests_per_s_{name}']} requests/s, TTFT p50 "
                 f"{figures[f'ttft_p50_{name}_s']} s, p99 {figures[f'ttft_p99_{name}_s']} s",

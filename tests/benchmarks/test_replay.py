@@ -243,7 +243,7 @@ def test_progress_bar_writes_carriage_returns_to_stderr(capsys):
         ({"workers": 0}, "workers must be a positive integer, got 0"),
         ({"pages_per_worker": -3}, "pages_per_worker must be a positive integer"),
         ({"page_tokens": 0}, "page_tokens must be a positive integer"),
-        ({"routing": "random"}, "unknown routing 'random'; known: round-robin, prefix"),
+        ({"routing": "random"}, "unknown routing 'random'; known: prefix, kvmesh, round-robin"),
         (
             {"pages_per_worker": 2},
             "a request of the trace needs 3 pages of 512 tokens but a worker has only 2",
