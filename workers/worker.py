@@ -56,7 +56,8 @@ from workers.serving.scheduler import CacheFull, Scheduler, SchedulerConfig, Ste
 from workers.serving.sequence import Phase
 from workers.serving.sequence import Sequence as Seq
 from workers.store.digests import page_digests
-from workers.store.page_store import SharedPageStore, reclaim_dead_segments, worker_tag
+from workers.store.page_store import SharedPageStore
+from workers.store.segment_names import reclaim_dead_segments, worker_tag
 from workers.transfer import ENCRYPT_PAGES_DEFAULT, PageServer, TransferAuth
 from workers.transfer.copy_in import CopyExecutor, CopyPlan, PeerInfo, Sources, plan_copy
 from workers.transfer.costs import (
