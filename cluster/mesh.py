@@ -258,7 +258,7 @@ class Mesh:
                     "model": cfg.model.name,
                     "dtype": cfg.model.dtype,
                     "copy_policy": cfg.workers.copy_policy,
-                    "scheduler": dataclasses.asdict(cfg.workers.serving.scheduler()),
+                    "scheduler": dataclasses.asdict(cfg.workers.scheduler()),
                     "compaction": dataclasses.asdict(cfg.compaction),
                     "num_pages": cfg.store.num_pages,
                     "cache": dataclasses.asdict(cfg.cache),
