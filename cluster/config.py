@@ -25,7 +25,7 @@ from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.compaction import CompactionConfig
 from workers.serving.models import DTYPES, model_shape
 from workers.serving.scheduler import SchedulerConfig
-from workers.store.page_store import StoreLayout
+from workers.store.layout import StoreLayout
 from workers.transfer import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.costs import POLICIES
 

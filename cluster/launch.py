@@ -237,7 +237,7 @@ def down(address: str | None = None, log=sys.stderr) -> bool:
             print(f"the Ray head `kvmesh up` started (pid {head_pid}) is gone already", file=log)
         if ours:
             _clear_record()
-        from workers.store.page_store import reclaim_dead_segments
+        from workers.store.segment_names import reclaim_dead_segments
 
         reclaim_dead_segments()
         return stopped

@@ -565,7 +565,7 @@ class Mesh:
         # ray.kill returns before the process exits; a dead owner's segments can only be
         # told from a live one's after that.
         await_exit(self._local_pids, EXIT_TIMEOUT_S)
-        from workers.store.page_store import reclaim_dead_segments
+        from workers.store.segment_names import reclaim_dead_segments
 
         reclaim_dead_segments()
         if self._started_ray:

@@ -51,12 +51,9 @@ from workers.service.client import (
 from workers.service.figures import WorkerFigures
 from workers.service.publisher import EventPublisher
 from workers.store.digests import page_digests
-from workers.store.page_store import (
-    SharedPageStore,
-    StoreLayout,
-    reclaim_dead_segments,
-    worker_tag,
-)
+from workers.store.layout import StoreLayout
+from workers.store.page_store import SharedPageStore
+from workers.store.segment_names import reclaim_dead_segments, worker_tag
 from workers.transfer.copy_in import CopyExecutor, CopyPlan, Sources, plan_copy
 from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
 from workers.transfer.page_server import PageServer

@@ -81,7 +81,7 @@ def check_address(value: Any, path: str, limits: Limits) -> str:
     return check_str(value, path, limits.max_str_len, empty=True)
 
 
-# A page store's segment name, exactly as `workers.store.page_store` makes them:
+# A page store's segment name, exactly as `workers.store.segment_names` makes them:
 # kvmesh-{pid}-{process start time}-{tag}. Pids and start times are bounded here (Linux
 # pids fit in 7 digits, start times in clock ticks in 20), so a name is at most 71 chars.
 # Peers open it under /dev/shm: nothing but this format may reach them.

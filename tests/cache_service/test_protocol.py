@@ -1176,10 +1176,10 @@ def test_register_carries_what_a_peer_needs():
     keyless = decode(raw_frame("register", {**wire, "shm_name": "", "page_key": b""})).body
     assert (keyless.shm_name, keyless.page_key) == ("", None)
     # The page store's own names are what the codec takes, the longest tag too.
-    from workers.store.page_store import _segment_name
+    from workers.store.segment_names import segment_name
 
     for tag in ("w0", "t" * 32):
-        name = _segment_name(tag)
+        name = segment_name(tag)
         assert decode(raw_frame("register", {**wire, "shm_name": name})).body.shm_name == name
 
 

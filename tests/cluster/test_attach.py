@@ -26,7 +26,7 @@ from cluster.config import config_from_dict
 from cluster.errors import MeshError
 from cluster.status import render, run_top, top_view
 from tests.waiting import wait_until
-from workers.store.page_store import SHM_DIR
+from workers.store.segment_names import SHM_DIR
 
 pytestmark = pytest.mark.slow
 

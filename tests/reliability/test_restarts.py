@@ -16,7 +16,7 @@ import ray
 import cluster
 from cluster.config import config_from_dict
 from tests.waiting import wait_until
-from workers.store.page_store import SHM_DIR, owner_alive
+from workers.store.segment_names import SHM_DIR, owner_alive
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
 from workers.service.client import ServiceError, ServiceSkipped, ServiceUnavailable
 from workers.serving.loop import ServingStopped
 from workers.serving.model_loader import LayoutMismatchError, ModelNotFoundError
-from workers.store.page_store import (
+from workers.store.layout import (
     NotOwnerError,
     PageStoreError,
     SegmentFormatError,

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from workers.store.page_store import StoreLayout
+from workers.store.layout import StoreLayout
 
 
 def layer_order(names: Sequence[str]) -> list[str]:

@@ -33,7 +33,7 @@ from workers.engines.blocks import blocks_to_pages, pages_to_blocks
 from workers.engines.enrollment import SERVICE_BACKOFF_S, Enrollment
 from workers.member import MeshMember, look_up_peer
 from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable
-from workers.store.page_store import StoreLayout
+from workers.store.layout import StoreLayout
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 
 log = logging.getLogger(__name__)

@@ -306,7 +306,7 @@ class KvmeshConnector(KVConnectorBase_V1):
 def _kv_format(vllm_config: VllmConfig, page_tokens: int) -> str:
     """The KV format vLLM's caches will have (`StoreLayout.kv_format`), from the model
     config: what the scheduler side names namespaces with before any cache exists."""
-    from workers.store.page_store import StoreLayout
+    from workers.store.layout import StoreLayout
 
     model = vllm_config.model_config
     hf = model.hf_text_config

@@ -35,7 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 from cache_service.messages import HolderSpan
-from workers.store.page_store import PageStoreError, SharedPageStore, owner_alive
+from workers.store.layout import PageStoreError
+from workers.store.page_store import SharedPageStore
+from workers.store.segment_names import owner_alive
 from workers.transfer.costs import Link
 from workers.transfer.page_client import PageClient
 from workers.transfer.page_wire import TransferAuth

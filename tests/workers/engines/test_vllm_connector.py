@@ -28,7 +28,7 @@ from cluster.config import config_from_dict
 from cluster.status import render_status
 from workers.engines.enrollment import engine_namespace
 from workers.service.client import ServiceClient, ServiceEndpoint
-from workers.store.page_store import StoreLayout
+from workers.store.layout import StoreLayout
 
 pytestmark = pytest.mark.slow
 
