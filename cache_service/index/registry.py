@@ -296,6 +296,23 @@ class Registry:
         ), "a tier name outlived its last worker"
 
 
+def checked_peer(peer: PeerAddress) -> PeerAddress:
+    """`peer` as a PeerAddress of its checked fields.
+
+    Raises:
+        TypeError: its address or store name is not a str.
+        ValueError: its key is neither None nor a Z85_KEY_CHARS-char z85 key.
+    """
+    address, shm_name, page_key = peer
+    if type(address) is not str or type(shm_name) is not str:
+        raise TypeError(f"a peer's address and store name are str, got {peer!r:.80}")
+    if page_key is not None and (type(page_key) is not bytes or len(page_key) != Z85_KEY_CHARS):
+        raise ValueError(
+            f"a page key is a {Z85_KEY_CHARS}-char z85 key or None, got {page_key!r:.20}"
+        )
+    return PeerAddress(address, shm_name, page_key)
+
+
 def _check_peer(worker_id: str, peer: PeerAddress) -> None:
     assert type(peer) is PeerAddress, f"{worker_id}: peer entry {peer!r:.60}"
     address, shm_name, page_key = peer
