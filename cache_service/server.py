@@ -2,11 +2,11 @@
 
 One thread, the loop, owns the socket and the index (the index refuses calls from any
 other thread while the loop runs, and needs no lock this way). The loop polls with a
-timeout so housekeeping (expiring silent workers) runs even when no request arrives.
-Every frame goes through the one codec (`protocol.decode`) into a typed request; its
-handler passes the fields to the index and returns the typed reply the codec encodes.
-Anything malformed is answered with an error reply naming what was wrong, and the loop
-keeps serving.
+timeout so housekeeping (expiring silent workers, publishing the metrics) runs even when
+no request arrives. Each request's frames go to `cache_service.handlers`: the one codec
+decodes them into a typed request, its handler passes the fields to the index and returns
+the typed reply the codec encodes. Anything malformed is answered with an error reply
+naming what was wrong, and the loop keeps serving.
 
 Callers in other threads (the Ray actor, tests, later the metrics exporter) reach the
 index through the loop: `stats()`, `check_integrity()` and `run_housekeeping()` queue a
@@ -16,7 +16,8 @@ wait for its result. Before `start` and after `stop` they run in the caller's th
 With keys (`cache_service.auth.ServerKeys`), the socket is a CURVE server: only the
 mesh's keys get through (the ZAP handler of `cache_service.zap`), and each request is
 checked against the identity its key is bound to before it reaches the index: a worker
-speaks only for itself, the front door never publishes (`cache_service.auth.allowed`).
+speaks only for itself, the front door never publishes (`cache_service.auth.allowed`,
+applied by the handlers).
 Without keys the same epoch rules and bounds hold, for anyone who can reach the socket.
 
 Envelope on the socket: a client DEALER sends one frame, the payload; the ROUTER sees
@@ -43,53 +44,17 @@ from prometheus_client import CollectorRegistry
 
 from cache_service import metrics, protocol, zap
 from cache_service.addresses import check_bind_host
-from cache_service.auth import WORKER, Identity, ServerKeys, allowed
-from cache_service.index import GlobalIndex, PeerAddress, RegistryFull, StaleEpoch
-from cache_service.messages import (
-    Ack,
-    ApplyResult,
-    Bye,
-    EpochReply,
-    GetPeer,
-    GetPeers,
-    GetStats,
-    Heartbeat,
-    Match,
-    MatchResult,
-    NameTenant,
-    PeerEntry,
-    PeerList,
-    PublishEvents,
-    Register,
-    Registered,
-    Reply,
-    ReportDead,
-    Request,
-    Resync,
-    ResyncReply,
-    Route,
-    RouteDecision,
-    StatsReply,
-)
-from cache_service.protocol import ProtocolError
+from cache_service.auth import ServerKeys
+from cache_service.handlers import RequestHandlers
+from cache_service.index import GlobalIndex
 from cache_service.reports import WorkerReports
 from cache_service.web import WebServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Server-side error codes, beside the codec's own.
-# A heartbeat from a worker the index does not know (register), or GetPeer of one.
-UNKNOWN_WORKER = "unknown_worker"
-REJECTED = "rejected"  # well-formed but refused by the index (e.g. a 257th tier)
-FORBIDDEN = "forbidden"  # the sender's identity may not send this request
-STALE_EPOCH = "stale_epoch"  # BYE with another epoch than the worker's current one
-REGISTRY_FULL = "registry_full"  # max_workers registered, each holding pages
-
 # Requests answered per wakeup before the loop looks at its clock and control queue again.
 _DRAIN = 256
-# Entries per GetPeers reply: a few hundred KiB at most, well inside a frame's bounds.
-PEERS_PER_PAGE = 256
 _servers = itertools.count()
 
 
@@ -173,8 +138,6 @@ class ServiceServer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._address = ""
-        self.requests = 0
-        self.errors = 0
         # Metrics: the loop times matches and publishes snapshots; the web thread serves.
         self._lookup = metrics.Histogram(metrics.LOOKUP_BUCKETS)
         self._collector = metrics.SnapshotCollector()
@@ -189,30 +152,20 @@ class ServiceServer:
         self._wake_address = f"inproc://kvmesh-service-control-{next(_servers)}"
         self._wake: zmq.Socket | None = None
         self._wake_lock = threading.Lock()
-        self._handlers: dict[type, Callable[[Any], Reply]] = {
-            Register: self._register,
-            Heartbeat: self._heartbeat,
-            PublishEvents: self._events,
-            Resync: self._resync,
-            Match: self._match,
-            Route: self._route,
-            GetStats: self._stats,
-            Bye: self._bye,
-            ReportDead: self._report_dead,
-            NameTenant: self._name_tenant,
-            GetPeer: self._peer,
-            GetPeers: self._peers,
-        }
-        # A worker's page server uses the worker's key pair: the key a worker may
-        # advertise for it (see `_register`).
-        self._worker_keys = (
-            {}
-            if keys is None
-            else {who.worker_id: key for key, who in keys.clients.items() if who.worker_id}
+        # Each request's answer, on the loop thread: the index's, under the identity rules.
+        self._handlers = RequestHandlers(
+            index, self.epoch, self.reports, self._lookup, self._stats_snapshot, keys, limits, clock
         )
-        # Who each admitted key is: the launcher's keys, and engines enrolled since
-        # (`admit_worker`); read by the loop only, grown through it.
-        self._clients: dict[bytes, Identity] = {} if keys is None else dict(keys.clients)
+
+    @property
+    def requests(self) -> int:
+        """Requests answered since the server was made, malformed ones included."""
+        return self._handlers.requests
+
+    @property
+    def errors(self) -> int:
+        """Requests answered with an error reply."""
+        return self._handlers.errors
 
     @property
     def address(self) -> str:
@@ -328,14 +281,7 @@ class ServiceServer:
         self._in_loop(lambda: self._admit_worker(worker_id, public_key))
 
     def _admit_worker(self, worker_id: str, public_key: bytes) -> None:
-        known = self._worker_keys.get(worker_id)
-        if known not in (None, public_key):
-            raise ValueError(f"worker id {worker_id!r} is already bound to another key")
-        who = self._clients.get(public_key)
-        if who not in (None, Identity(WORKER, worker_id)):
-            raise ValueError(f"that key already speaks as {who}")
-        self._clients[public_key] = Identity(WORKER, worker_id)
-        self._worker_keys[worker_id] = public_key
+        self._handlers.admit_worker(worker_id, public_key)  # raises before ZAP admits it
         if self._zap_domain:
             zap.admit(self._zap_domain, public_key)
 
@@ -445,8 +391,8 @@ class ServiceServer:
             )
         )
 
-    def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], Identity | None]:
-        """One message's frames and who sent it (None without keys).
+    def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], bytes | None]:
+        """One message's frames and the public key it came with (None without keys).
 
         Raises:
             zmq.Again: nothing queued.
@@ -455,112 +401,20 @@ class ServiceServer:
             return socket.recv_multipart(zmq.NOBLOCK, copy=True), None
         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         # The ZAP handler admitted the key; its z85 form is the message's User-Id.
-        speaker = self._clients.get(frames[-1].get("User-Id").encode())
-        return [frame.bytes for frame in frames], speaker
+        sender = frames[-1].get("User-Id").encode()
+        return [frame.bytes for frame in frames], sender
 
-    def _serve(self, socket: zmq.Socket, frames: list[bytes], speaker: Identity | None) -> None:
+    def _serve(self, socket: zmq.Socket, frames: list[bytes], sender: bytes | None) -> None:
         identity, rest = frames[0], frames[1:]
         delimiter = [b""] if rest and rest[0] == b"" else []
         payload = rest[len(delimiter) :]
-        reply = self._handle(payload, speaker)
+        reply = self._handlers.answer(payload, sender)
         try:
             socket.send_multipart([identity, *delimiter, reply], zmq.NOBLOCK)
         except zmq.Again:  # the client is gone or not reading; it will retry
             log.debug("reply to a client that is not reading dropped")
 
-    def _handle(self, payload: list[bytes], speaker: Identity | None = None) -> bytes:
-        """One request's payload frames -> the encoded reply (never raises)."""
-        self.requests += 1
-        request_id = 0
-        try:
-            if len(payload) != 1:
-                raise ProtocolError(
-                    protocol.BAD_FRAME, f"expected 1 payload frame, got {len(payload)}"
-                )
-            request = protocol.decode(payload[0], "request", limits=self.limits)
-            request_id = request.request_id
-            if self.keys is not None:
-                _check_allowed(speaker, request.body)
-            reply = protocol.ok_reply(request, self._handlers[type(request.body)](request.body))
-            return protocol.encode(reply, limits=self.limits, check=False)
-        except ProtocolError as exc:
-            self.errors += 1
-            reply = protocol.error_reply(exc.request_id or request_id, exc)
-            return protocol.encode(reply, check=False)
-        except StaleEpoch as exc:
-            self.errors += 1
-            error = ProtocolError(STALE_EPOCH, str(exc), request_id)
-            return protocol.encode(protocol.error_reply(request_id, error), check=False)
-        except RegistryFull as exc:
-            self.errors += 1
-            error = ProtocolError(REGISTRY_FULL, str(exc), request_id)
-            return protocol.encode(protocol.error_reply(request_id, error), check=False)
-        except (ValueError, TypeError) as exc:  # the index refused a well-formed request
-            self.errors += 1
-            error = ProtocolError(REJECTED, str(exc), request_id)
-            return protocol.encode(protocol.error_reply(request_id, error), check=False)
-        except Exception as exc:  # a bug here must not take the service down
-            self.errors += 1
-            log.exception("internal error serving request %d", request_id)
-            return protocol.encode(protocol.error_reply(request_id, exc), check=False)
-
-    # ------------------------------------------------------------------ handlers
-
-    def _register(self, request: Register) -> Registered:
-        if self.keys is not None and request.page_key not in (
-            None,
-            self._worker_keys.get(request.worker_id),
-        ):
-            # Peers would trust this key as the worker's page server: only its own will do.
-            raise ProtocolError(
-                FORBIDDEN,
-                f"worker {request.worker_id!r} may advertise only its own key for its page server",
-            )
-        peer = PeerAddress(request.address, request.shm_name, request.page_key)
-        registration = self.index.register(
-            request.worker_id, request.node_id, request.tier, now=self._clock(), peer=peer
-        )
-        return Registered(self.epoch, registration.epoch)
-
-    def _heartbeat(self, request: Heartbeat) -> EpochReply:
-        if not self.index.heartbeat(request.worker_id, request.epoch, now=self._clock()):
-            raise ProtocolError(
-                UNKNOWN_WORKER,
-                f"worker {request.worker_id!r} epoch {request.epoch} is not registered "
-                f"with service epoch {self.epoch}; register again",
-            )
-        self.reports.update(request.worker_id, request.report)
-        return EpochReply(self.epoch)
-
-    def _events(self, request: PublishEvents) -> ApplyResult:
-        return self.index.apply_events(
-            request.worker_id, request.epoch, request.seq, request.events
-        )
-
-    def _resync(self, request: Resync) -> ResyncReply:
-        self.index.resync(request.worker_id, request.epoch, request.seq, request.chains)
-        info = self.index.worker_info(request.worker_id)
-        return ResyncReply(0 if info is None else info.pages)
-
-    def _match(self, request: Match) -> MatchResult:
-        start = time.perf_counter()
-        # Packed spans go out as the bytes the index made; no ints built and repacked.
-        result = self.index.match_packed(request.namespace, request.tokens, request.requester)
-        self._lookup.observe(time.perf_counter() - start)
-        return result
-
-    def _route(self, request: Route) -> RouteDecision:
-        return self.index.route(
-            request.namespace,
-            request.tokens,
-            request.loads,
-            request.pending,
-            self.reports.loads(),
-            request.policy,
-        )
-
-    def _stats(self, request: GetStats) -> StatsReply:
-        return StatsReply(self._stats_snapshot())
+    # ------------------------------------------------------------------ figures
 
     def _stats_snapshot(self) -> dict[str, Any]:
         """The index's figures and the server's, cut to fit a reply frame if need be."""
@@ -569,52 +423,13 @@ class ServiceServer:
         stats["served"] = self.reports.stats()
         stats["service"] = {
             "epoch": self.epoch,
-            "requests": self.requests,
-            "errors": self.errors,
+            "requests": self._handlers.requests,
+            "errors": self._handlers.errors,
             "address": self._address,
             "metrics_url": self.metrics_url,
             "dashboard_url": self.dashboard_url,
         }
         return _fitted(stats, self.limits.max_frame_bytes - 1024)
-
-    def _bye(self, request: Bye) -> Ack:
-        self.index.remove_worker(request.worker_id, "bye", epoch=request.epoch)
-        self.reports.departed(request.worker_id)
-        return Ack()
-
-    def _report_dead(self, request: ReportDead) -> Ack:
-        self.index.remove_worker(request.worker_id, "reported_dead")
-        self.reports.departed(request.worker_id)
-        return Ack()
-
-    def _name_tenant(self, request: NameTenant) -> Ack:
-        self.index.name_tenant(request.salt, request.name)
-        return Ack()
-
-    def _peer(self, request: GetPeer) -> PeerEntry:
-        entry = self.index.peer(request.worker_id)
-        if entry is None:
-            raise ProtocolError(
-                UNKNOWN_WORKER, f"worker {request.worker_id!r} is not registered (or left)"
-            )
-        return entry
-
-    def _peers(self, request: GetPeers) -> PeerList:
-        entries, more = self.index.peers(request.after, PEERS_PER_PAGE)
-        return PeerList(tuple(entries), more)
-
-
-def _check_allowed(speaker: Identity | None, request: Request) -> None:
-    """Raise FORBIDDEN unless `speaker` may send `request` (see `auth.allowed`)."""
-    if speaker is None:  # the ZAP handler admitted a key the server does not know
-        raise ProtocolError(FORBIDDEN, "this key has no identity in the mesh")
-    if not allowed(speaker, request):
-        target = getattr(request, "worker_id", None) or getattr(request, "requester", None)
-        raise ProtocolError(
-            FORBIDDEN,
-            f"{speaker.role} {speaker.worker_id!r} may not send {type(request).__name__}"
-            + (f" for {target!r}" if target else ""),
-        )
 
 
 def _fitted(stats: dict[str, Any], budget: int) -> dict[str, Any]:

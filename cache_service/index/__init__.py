@@ -20,15 +20,20 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 - `walk`: the match walk, by runs of consecutive node ids;
 - `holders`: who holds each node, in four inline columns and a side dict;
 - `chains`: storing and dropping workers' chains of pages;
+- `batches`: the order of each worker's event batches, and when it must resync;
 - `registry`: workers, slots, tiers, liveness, reverse page maps, peer entries;
 - `tallies`: hit statistics per tenant and per requester;
+- `stats`: the index's sizes and counts as one plain dict;
 - `integrity`: every invariant, checked in full;
-- `global_index`: the facade (events, match, route, stats), owned by one thread.
+- `owner`: the one thread that may call an index;
+- `global_index`: the facade (workers, events, match, route, stats); `route` runs a
+  policy of `cache_service.routing` over what the index holds.
 
 The index is plain Python and numpy: no Ray, ZMQ or torch.
 """
 
-from cache_service.index.global_index import GlobalIndex, OwnerError, StaleEpoch
+from cache_service.index.global_index import GlobalIndex, StaleEpoch
+from cache_service.index.owner import OwnerError
 from cache_service.index.registry import PeerAddress, Registration, RegistryFull, WorkerInfo
 from cache_service.messages import (
     ApplyResult,

@@ -1,11 +1,9 @@
-"""`GlobalIndex`: the facade over the index's parts (events, match, route, stats).
+"""`GlobalIndex`: the facade over the index's parts (workers, events, match, route, stats).
 
-One thread owns an index: the one that made it, until it hands it off (`hand_off`); the
-next thread to call it then owns it. The service's server hands its index to its loop
-thread at start, and the loop hands it back when it stops, so while the service runs
-every call from another thread (a Ray actor method, a metrics exporter, a test) is
-refused with `OwnerError` instead of racing the loop: such callers go through the loop
-(`ServiceServer.stats`, `ServiceServer.check_integrity`). Nothing in here locks.
+It checks what callers hand it and has each part do its share (the package docstring
+lists them); it keeps only the order of the steps, the logical clock that dates page
+accesses and the epochs it issues. One thread owns an index (`owner`): a call from any
+other thread is refused, and nothing in here locks.
 """
 
 from __future__ import annotations
@@ -16,31 +14,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cache_service.events import KvEvent, Namespace, PagesStored
+from cache_service.index.batches import BatchOrder
 from cache_service.index.chains import Chains, check_event, check_snapshot
-from cache_service.index.holders import Holders
+from cache_service.index.holders import Holders, span_order
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
+from cache_service.index.owner import ThreadOwned
 from cache_service.index.registry import (
     NO_PEER_ADDRESS,
-    Z85_KEY_CHARS,
     PeerAddress,
     Registration,
     Registry,
     RegistryFull,
-    Worker,
     WorkerInfo,
+    checked_peer,
 )
+from cache_service.index.stats import index_stats
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.index.walk import walk
-from cache_service.messages import (
-    ApplyResult,
-    HolderSpan,
-    MatchResult,
-    PackedSpan,
-    PeerEntry,
-    RouteDecision,
-)
+from cache_service.messages import ApplyResult, MatchResult, PeerEntry, RouteDecision
 from cache_service.routing import (
     DEFAULT_POLICY,
     RouteInputs,
@@ -55,15 +48,11 @@ _new_tuple = tuple.__new__
 _get_ident = threading.get_ident
 
 
-class OwnerError(RuntimeError):
-    """A GlobalIndex was called from a thread other than the one that owns it."""
-
-
 class StaleEpoch(ValueError):
     """A worker spoke with an epoch that is not its current one."""
 
 
-class GlobalIndex:
+class GlobalIndex(ThreadOwned):
     """Cluster-wide prefix index: page-granular tries of token pages and their holders.
 
     Args:
@@ -101,9 +90,8 @@ class GlobalIndex:
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
+        super().__init__()  # the calling thread owns the index
         self._policies: dict[str, RoutingPolicy] = {}  # by name, made on first use
-        self._owner: int | None = _get_ident()
-        self._owner_name = threading.current_thread().name
         self._keys = PrefixKeys(page_tokens)
         self._holders = Holders()
         self._nodes = Nodes(page_tokens, self._keys, self._holders.grow)
@@ -115,29 +103,7 @@ class GlobalIndex:
         # Epochs are issued here, one per registration. They start at the wall clock in
         # microseconds, so a restarted service never reissues an epoch of its predecessor.
         self._last_epoch = time.time_ns() // 1000
-        self._events = {"batches": 0, "duplicates": 0, "resyncs_requested": 0, "resyncs": 0}
-
-    # ---- the owner thread ----------------------------------------------------------------
-
-    def hand_off(self) -> None:
-        """Give up ownership: the next thread to call the index owns it.
-
-        Raises:
-            OwnerError: another thread owns the index.
-        """
-        self._own()
-        self._owner = None
-
-    def _own(self) -> None:
-        ident = _get_ident()
-        if ident == self._owner:
-            return
-        if self._owner is not None:
-            raise OwnerError(
-                f"the index is owned by thread {self._owner_name!r}; "
-                f"{threading.current_thread().name!r} may not call it (go through its owner)"
-            )
-        self._owner, self._owner_name = ident, threading.current_thread().name
+        self._batches = BatchOrder()
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -173,7 +139,7 @@ class GlobalIndex:
         """
         self._own()
         now = time.monotonic() if now is None else now
-        peer = _checked_peer(peer)
+        peer = checked_peer(peer)
         worker = self._registry.get(worker_id)
         tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
         if worker is None and self._registry.full():
@@ -309,27 +275,17 @@ class GlobalIndex:
                 nothing is applied then.
         """
         self._own()
-        self._events["batches"] += 1
         worker = self._registry.get(worker_id)
-        refusal = self._refusal(worker, epoch)
+        refusal = self._batches.batch_refusal(worker, epoch, seq)
         if refusal is not None:
             return refusal
         assert worker is not None
-        if worker.desynced:
-            return ApplyResult(False, True, "awaiting_resync", worker.last_seq)
-        if seq <= worker.last_seq:
-            self._events["duplicates"] += 1
-            reason = "duplicate" if seq == worker.last_seq else "stale"
-            return ApplyResult(False, False, reason, worker.last_seq)
-        if seq > worker.last_seq + 1:
-            return self._desync(worker, "gap")
         packed = [check_event(event, self.page_tokens) for event in events]
         self._clock += 1
         failure = self._chains.apply(worker, events, packed, self._clock)
         if failure is not None:
-            return self._desync(worker, failure)
-        worker.last_seq = seq
-        return ApplyResult(True, False, "applied", seq)
+            return self._batches.desync(worker, failure)
+        return self._batches.applied(worker, seq)
 
     def resync(
         self, worker_id: str, epoch: int, seq: int, chains: Sequence[PagesStored]
@@ -353,7 +309,7 @@ class GlobalIndex:
         """
         self._own()
         worker = self._registry.get(worker_id)
-        refusal = self._refusal(worker, epoch)
+        refusal = self._batches.sender_refusal(worker, epoch)
         if refusal is not None:
             return refusal
         assert worker is not None
@@ -363,9 +319,7 @@ class GlobalIndex:
         for chain, data in zip(chains, packed, strict=True):
             failure = self._chains.store(worker, chain, data, self._clock)
             assert failure is None, f"validated resync chain failed: {failure}"
-        worker.last_seq, worker.desynced = seq, False
-        self._events["resyncs"] += 1
-        return ApplyResult(True, False, "resynced", seq)
+        return self._batches.resynced(worker, seq)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -438,7 +392,7 @@ class GlobalIndex:
                     holders.span(path, holding, worker.worker_id, tiers[worker.tier], packed)
                 )
             if len(built) > 1:
-                built.sort(key=_span_order)  # packed lengths are 4x, in the same order
+                built.sort(key=span_order)  # packed lengths are 4x, in the same order
                 spans = tuple(built[: self.max_spans])
             else:
                 spans = tuple(built)
@@ -459,12 +413,9 @@ class GlobalIndex:
         reported: Mapping[str, WorkerLoad] | None = None,
         policy: str = DEFAULT_POLICY,
     ) -> RouteDecision:
-        """Choose the live worker that should take a prompt, by the routing policy named
-        (`cache_service.routing`; kvmesh's own by default: what each worker holds,
-        copies and computes against its queue).
-
-        Routing is a read: no statistics are counted and no access time changes (the
-        chosen worker's own `match` counts the query).
+        """The live worker that should take a prompt, by the routing policy named
+        (`cache_service.routing`). A read: no statistics are counted and no access time
+        changes (the chosen worker's own `match` counts the query).
 
         Args:
             namespace: the prompt's namespace.
@@ -494,25 +445,14 @@ class GlobalIndex:
         candidates = candidates_of(loads, nodes, reported)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
-        held: dict[str, int] = {}
-        holder_nodes: dict[str, str] = {}
-        path = None
+        holdings = []  # a policy that reads no holdings spares the walk
         if chooser.uses_holdings:
             path = walk(self._nodes, self._nodes.roots.get(namespace), data)
-        if path is not None and path.length:
-            for slot, pages, _ in self._holders.holdings(path):
-                holder = self._registry.slots[slot]
-                held[holder.worker_id] = pages * self.page_tokens
-                holder_nodes[holder.worker_id] = holder.node_id
-        inputs = RouteInputs(
-            candidates,
-            len(data) // 4,
-            held,
-            holder_nodes,
-            {w: int(n) for w, n in (pending or {}).items() if n >= 0},
-            self.load_weight,
-        )
-        return chooser.choose(inputs)
+            holdings = self._holders.holdings(path) if path.length else []
+        held, holder_nodes = self._registry.by_worker(holdings, self.page_tokens)
+        pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
+        inputs = RouteInputs(candidates, len(data) // 4, held, holder_nodes, pending)
+        return chooser.choose(inputs._replace(load_weight=self.load_weight))
 
     # ---- statistics and checks -----------------------------------------------------------
 
@@ -526,29 +466,14 @@ class GlobalIndex:
         """Hit statistics and sizes as a plain dict (msgpack-friendly).
 
         Returns:
-            {"page_tokens", "pages", "holdings", "workers_live", "tiers": names in use,
-             "cluster": counters, "tenants": {name: counters},
-             "workers": {worker id: counters + "pages" held + "live" (+ "node" if live)},
-             "events": {"batches", "duplicates", "resyncs_requested", "resyncs"},
-             "removed_workers": {reason: count}}
-            where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
-            remote_hit_tokens, miss_tokens, alignment_lost_tokens.
+            "page_tokens", "pages", "holdings", "workers_live", "tiers", "cluster",
+            "tenants", "workers", "events" and "removed_workers", as drawn in
+            `cache_service.index.stats`.
         """
         self._own()
-        live = self._registry.workers
-        tallies = self._tallies.report({worker_id: w.pages.size for worker_id, w in live.items()})
-        for worker_id, worker in live.items():
-            tallies["workers"][worker_id]["node"] = worker.node_id
-        return {
-            "page_tokens": self.page_tokens,
-            "pages": self._nodes.num_pages,
-            "holdings": self._registry.holdings(),
-            "workers_live": len(live),
-            "tiers": self._registry.tiers_in_use(),
-            **tallies,
-            "events": dict(self._events),
-            "removed_workers": dict(self._registry.removed),
-        }
+        return index_stats(
+            self.page_tokens, self._nodes, self._registry, self._tallies, self._batches.counts
+        )
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
@@ -557,39 +482,8 @@ class GlobalIndex:
         self._registry.check()
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
 
-    # ---- internals -----------------------------------------------------------------------
-
-    def _refusal(self, worker: Worker | None, epoch: int) -> ApplyResult | None:
-        if worker is None:
-            self._events["resyncs_requested"] += 1
-            return ApplyResult(False, True, "unknown_worker", 0)
-        if epoch != worker.epoch:
-            self._events["resyncs_requested"] += 1
-            return ApplyResult(False, True, "epoch_mismatch", worker.last_seq)
-        return None
-
-    def _desync(self, worker: Worker, reason: str) -> ApplyResult:
-        worker.desynced = True
-        self._events["resyncs_requested"] += 1
-        return ApplyResult(False, True, reason, worker.last_seq)
-
 
 def _checked(namespace: Namespace, tokens: TokenInput) -> bytes:
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     return as_packed(tokens)
-
-
-def _checked_peer(peer: PeerAddress) -> PeerAddress:
-    address, shm_name, page_key = peer
-    if type(address) is not str or type(shm_name) is not str:
-        raise TypeError(f"a peer's address and store name are str, got {peer!r:.80}")
-    if page_key is not None and (type(page_key) is not bytes or len(page_key) != Z85_KEY_CHARS):
-        raise ValueError(
-            f"a page key is a {Z85_KEY_CHARS}-char z85 key or None, got {page_key!r:.20}"
-        )
-    return PeerAddress(address, shm_name, page_key)
-
-
-def _span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
-    return (-len(span.page_ids), span.worker_id)

@@ -212,6 +212,11 @@ class Holders:
         return _new_tuple(HolderSpan, (worker_id, tier, page_ids, generations))
 
 
+def span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
+    """The order of a match's spans: the longest first, then by worker id."""
+    return (-len(span.page_ids), span.worker_id)
+
+
 def _leading_run(slots: memoryview, runs: tuple[tuple[int, int], ...], slot: int) -> int:
     """How many leading pages of the path of `runs` column `slots` gives to `slot`, which
     holds the first page but not the last (its holding is a leading run: see holdings)."""

@@ -13,7 +13,8 @@ the codec), and tier names are forgotten with their last worker.
 from __future__ import annotations
 
 from array import array
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from cache_service.index.nodes import NONE
 from cache_service.messages import PeerEntry
@@ -272,6 +273,18 @@ class Registry:
         page = [self.entry(self.workers[worker_id]) for worker_id in ids[:limit]]
         return page, len(ids) > limit
 
+    def by_worker(
+        self, holdings: Iterable[tuple[int, int, Any]], page_tokens: int
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """(slot, pages, _) holdings of a prompt as (worker id -> tokens held, worker id ->
+        node): what routing weighs."""
+        held, nodes = {}, {}
+        for slot, pages, _ in holdings:
+            worker = self.slots[slot]
+            held[worker.worker_id] = pages * page_tokens
+            nodes[worker.worker_id] = worker.node_id
+        return held, nodes
+
     def holdings(self) -> int:
         """Pages held, summed over the live workers."""
         return sum(worker.pages.size for worker in self.workers.values())
@@ -294,6 +307,23 @@ class Registry:
         assert all(
             (n > 0) == (name is not None) for n, name in zip(users, self.tiers, strict=True)
         ), "a tier name outlived its last worker"
+
+
+def checked_peer(peer: PeerAddress) -> PeerAddress:
+    """`peer` as a PeerAddress of its checked fields.
+
+    Raises:
+        TypeError: its address or store name is not a str.
+        ValueError: its key is neither None nor a Z85_KEY_CHARS-char z85 key.
+    """
+    address, shm_name, page_key = peer
+    if type(address) is not str or type(shm_name) is not str:
+        raise TypeError(f"a peer's address and store name are str, got {peer!r:.80}")
+    if page_key is not None and (type(page_key) is not bytes or len(page_key) != Z85_KEY_CHARS):
+        raise ValueError(
+            f"a page key is a {Z85_KEY_CHARS}-char z85 key or None, got {page_key!r:.20}"
+        )
+    return PeerAddress(address, shm_name, page_key)
 
 
 def _check_peer(worker_id: str, peer: PeerAddress) -> None:

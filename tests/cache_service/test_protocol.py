@@ -143,7 +143,9 @@ SAMPLE_REQUESTS = {
     ),
     "resync": Resync("w0", 3, 42, [make_stored(3, 2)]),
     "match": Match(NS, pack_tokens(make_tokens(40)), "w1"),
-    "route": Route(NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}, {"w0": 32.0}),
+    "route": Route(
+        NS, pack_tokens(make_tokens(40)), {"w0": 0.5, "w1": 0.0}, {"w0": 32.0}, "round-robin"
+    ),
     "stats": GetStats(),
     "bye": Bye("w0", 3),
     "report_dead": ReportDead("w0"),
@@ -340,7 +342,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 6  # 6: reports carry load and costs; ROUTE carries pending
+    assert PROTOCOL_VERSION == 7  # 7: ROUTE names the routing policy
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -568,6 +570,7 @@ REQUEST_BODIES = {
         tokens=token_ids.map(pack_tokens),
         loads=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
         pending=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
+        policy=names,
     ),
     "stats": st.builds(GetStats),
     "bye": st.builds(Bye, worker_id=names, epoch=counts),
@@ -1283,7 +1286,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=3), BAD_VERSION),  # the version before worker reports
         (raw_frame(MATCH, {}, v=4), BAD_VERSION),  # the version before peer entries
         (raw_frame(MATCH, {}, v=5), BAD_VERSION),  # the version before load reports
-        (raw_frame(MATCH, {}, v=7), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=6), BAD_VERSION),  # the version before routing policies
+        (raw_frame(MATCH, {}, v=8), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

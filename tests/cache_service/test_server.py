@@ -11,8 +11,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service import protocol
-from cache_service import server as server_module
+from cache_service import handlers, protocol
 from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace
 from cache_service.index import OwnerError
@@ -244,7 +243,7 @@ def test_an_expired_worker_has_no_entry():
 
 
 def test_peers_come_a_page_at_a_time(server, monkeypatch):
-    monkeypatch.setattr(server_module, "PEERS_PER_PAGE", 2)
+    monkeypatch.setattr(handlers, "PEERS_PER_PAGE", 2)
     client = _client(server)
     for worker_id in ("e", "a", "d", "b", "c"):
         client.register(worker_id, "node-1", "cpu", "", f"kvmesh-1-2-{worker_id}")
