@@ -36,11 +36,11 @@ import torch
 
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
-from workers.serving import models
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 from workers.service.figures import WorkerFigures
 from workers.service.publisher import EventPublisher
+from workers.serving import models
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import CompactionConfig, Compactor
 from workers.serving.loop import ServingLoop

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.serving import models
 from workers.cache.prefix_cache import PrefixCacheConfig
+from workers.serving import models
 from workers.worker import Worker, WorkerSettings
 
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from tests.workers.conftest import SERVICE_PAGE_TOKENS
-from workers.transfer import costs
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_runner import tiny_llama
+from workers.transfer import costs
 from workers.transfer.costs import (
     CopyCosts,
     Link,

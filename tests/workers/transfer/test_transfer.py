@@ -13,7 +13,6 @@ import torch
 import zmq
 
 from cache_service.auth import KeyPair
-from workers.transfer import page_client, page_server, page_wire
 from workers.store.digests import EMPTY_DIGEST
 from workers.store.page_store import SharedPageStore, StoreLayout
 from workers.transfer import (
@@ -29,6 +28,9 @@ from workers.transfer import (
     copy_from_peer,
     decode_request,
     encode_request,
+    page_client,
+    page_server,
+    page_wire,
 )
 
 LAYOUT = StoreLayout(num_pages=12, num_layers=2, num_kv_heads=2, page_tokens=4, head_dim=8)
