@@ -86,7 +86,7 @@ def test_unknown_policy_names_the_known_ones():
 
 def test_deepest_evicts_the_longest_prefixes_first():
     cache, pool = make_cache(num_pages=16, eviction_policy="deepest")
-    # the same two chains as above: page 0, then 1-2 and (released later) 3-4 under it
+    # the chains of the leaf-first test above: page 0, then 1-2 and (released later) 3-4
     run_request(cache, pool, make_tokens((0, 12), (7, 1)))
     run_request(cache, pool, make_tokens((0, 4), (900, 8), (7, 1)))
     cache.take_events()

@@ -1,4 +1,5 @@
-"""The local prefix cache: exact page ids, eviction order, COW, batches, events, digests."""
+"""The local prefix cache: exact page ids, COW, batches, events, digests (eviction order:
+test_eviction.py)."""
 
 from __future__ import annotations
 
