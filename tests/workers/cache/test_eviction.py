@@ -1,0 +1,111 @@
+"""Eviction: which unreferenced page goes first under each policy, and that pinned pages
+never go (`eviction.py` ranks, `evictor.py` takes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_service.events import PagesRemoved
+from tests.workers.cache_helpers import NS, PAGE, make_cache, make_tokens, run_request
+from workers.cache.eviction import EVICTION_POLICIES, make_eviction_policy
+from workers.cache.prefix_cache import PrefixCacheConfig
+
+
+def _one_page_sequences(cache, pool, count, keep):
+    """Publish `count` one-page sequences; release all but the first `keep`, in order."""
+    allocations = [
+        run_request(cache, pool, make_tokens((i * 100, PAGE)), release=False) for i in range(count)
+    ]
+    for allocation in allocations[keep:]:
+        allocation.release()
+    return allocations
+
+
+@pytest.mark.parametrize(
+    ("reaccessed", "times", "expected_victim"),
+    [((), 1, 3), ((3,), 1, 4), ((3, 4), 2, 5), ((3, 4, 5, 6, 7, 8), 3, 9), ((9, 3), 5, 4)],
+)
+def test_lru_evicts_least_recently_used_unreferenced(reaccessed, times, expected_victim):
+    # 10 sequences of one page each; 0-2 stay referenced, 3-9 are released in order;
+    # some are used again; a new allocation then needs exactly one page evicted.
+    cache, pool = make_cache(num_pages=14)
+    allocations = _one_page_sequences(cache, pool, count=10, keep=3)
+    for _ in range(times):
+        for i in reaccessed:
+            again = cache.acquire(make_tokens((i * 100, PAGE), (9_000, 1)), NS)
+            assert again.cached_tokens == PAGE
+            again.release()
+    cache.take_events()
+    newcomer = cache.acquire(make_tokens((50_000, 5 * PAGE)), NS)
+    assert newcomer is not None
+    [removed] = cache.take_events()
+    assert removed == PagesRemoved((expected_victim,), "evicted")
+    for i in range(3):  # pinned pages never go
+        assert cache.match_length(make_tokens((i * 100, PAGE)), NS) == PAGE
+    newcomer.release()
+    for allocation in allocations[:3]:
+        allocation.release()
+    cache.check_integrity()
+
+
+def test_lfu_evicts_least_reused_first():
+    cache, pool = make_cache(num_pages=14, eviction_policy="lfu")
+    _one_page_sequences(cache, pool, count=10, keep=0)
+    for i in (0, 1, 2, 4, 5, 6, 7, 8, 9):  # everything but 3 is reused once
+        again = cache.acquire(make_tokens((i * 100, PAGE), (9_000, 1)), NS)
+        again.release()
+    cache.take_events()
+    newcomer = cache.acquire(make_tokens((50_000, 5 * PAGE)), NS)
+    assert cache.take_events() == [PagesRemoved((3,), "evicted")]
+    newcomer.release()
+    cache.check_integrity()
+
+
+def test_equal_access_times_evict_leaf_first_in_a_fixed_order():
+    cache, pool = make_cache(num_pages=16)
+    # one chain of 3 pages and a sibling chain; every node of a release shares its time
+    run_request(cache, pool, make_tokens((0, 12), (7, 1)))
+    run_request(cache, pool, make_tokens((0, 4), (900, 8), (7, 1)))
+    cache.take_events()
+    assert cache.evict(5) == 5
+    removed = [page for event in cache.take_events() for page in event.page_ids]
+    # the older release goes first, each chain leaf-first, the shared page 0 last (the
+    # partial page 3 of the first request was freed and reused by the second)
+    assert removed == [2, 1, 4, 3, 0]
+    assert cache.stats()["evictions"] == {"evicted": 5}
+    cache.check_integrity()
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="deepest, lfu, lru"):
+        make_eviction_policy("fifo")
+    with pytest.raises(ValueError, match="unknown eviction_policy 'fifo'"):
+        PrefixCacheConfig(eviction_policy="fifo")
+    assert set(EVICTION_POLICIES) >= {"lru", "lfu"}
+
+
+def test_deepest_evicts_the_longest_prefixes_first():
+    cache, pool = make_cache(num_pages=16, eviction_policy="deepest")
+    # the chains of the leaf-first test above: page 0, then 1-2 and (released later) 3-4
+    run_request(cache, pool, make_tokens((0, 12), (7, 1)))
+    run_request(cache, pool, make_tokens((0, 4), (900, 8), (7, 1)))
+    cache.take_events()
+    assert cache.evict(5) == 5
+    removed = [page for event in cache.take_events() for page in event.page_ids]
+    # depth 3 first (page 2 released before page 4), then depth 2 likewise, the root's
+    # child last: LRU would take all of the older chain first ([2, 1, 4, 3, 0])
+    assert removed == [2, 4, 1, 3, 0]
+    assert cache.stats()["evictions"] == {"evicted": 5}
+    cache.check_integrity()
+
+
+def test_deepest_breaks_depth_ties_by_last_access():
+    cache, pool = make_cache(num_pages=16, eviction_policy="deepest")
+    run_request(cache, pool, make_tokens((0, 12), (7, 1)))  # pages 0-2, one run
+    run_request(cache, pool, make_tokens((500, 4), (7, 1)))  # page 3, depth 1, newer
+    cache.take_events()
+    # pages 2 and 1 by depth, then page 0 before page 3: both at depth 1, page 0 older
+    assert cache.evict(4) == 4
+    assert cache.take_events() == [PagesRemoved((2, 1, 0, 3), "evicted")]
+    assert cache.num_cached_pages == 0
+    cache.check_integrity()

@@ -1,0 +1,117 @@
+"""Eviction mechanics of the local prefix cache: references, the count of evictable
+pages, and the heap of evictable leaves that a policy (`eviction.py`) ranks.
+
+A published page no allocation references is evictable; only a leaf goes (its run's
+last page, with no children), so an unreferenced chain leaves tail first. Each evictable
+leaf has an entry in a heap keyed by the policy. Entries are deleted lazily: a run that
+is referenced again, trimmed or removed keeps its old entry, which is skipped when popped
+because its version is no longer the run's latest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import NamedTuple
+
+from workers.cache.eviction import EvictionPolicy
+from workers.cache.runs import Run
+from workers.cache.trie import Trie
+
+
+class _PageView(NamedTuple):
+    """One page of a run as an eviction policy sees it (`EvictionCandidate`)."""
+
+    node_id: int
+    last_access: int
+    hits: int
+    depth: int
+
+
+class Evictor:
+    """Counts and ranks the trie's evictable pages and takes them off the trie.
+
+    Not thread-safe: the cache's lock guards it.
+    """
+
+    def __init__(self, trie: Trie, policy: EvictionPolicy):
+        self.trie = trie
+        self.policy = policy
+        # Whether a run's pages, which share their access history, rank deepest first and
+        # ahead of every other page (see `EvictionPolicy.evicts_runs_tail_first`): then an
+        # eviction takes the pages it needs from a run at once.
+        self.whole_runs = policy.evicts_runs_tail_first
+        self.heap: list[tuple[tuple[int, ...], int, Run]] = []
+        self.num_evictable = 0  # ready pages with no references (all evictable, leaf first)
+        self._versions = itertools.count(1)
+
+    def push(self, run: Run) -> None:
+        """Rank evictable leaf `run` by its current key (again, if its key changed)."""
+        # Lazy deletion: an entry is valid only while its version is the run's latest.
+        # (key, version) is unique per entry, so the heap never compares two runs.
+        run.heap_version = next(self._versions)
+        heapq.heappush(self.heap, (self.policy.key(run), run.heap_version, run))
+        if len(self.heap) > 2 * self.num_evictable + 1024:
+            self.heap = [
+                e for e in self.heap if e[2].is_evictable_leaf() and e[2].heap_version == e[1]
+            ]
+            heapq.heapify(self.heap)
+
+    def incref(self, run: Run) -> None:
+        """One more allocation holds `run`: its pages are no longer evictable."""
+        if run.ref_count == 0 and run.ready:
+            self.num_evictable -= len(run.pages)
+        run.ref_count += 1
+
+    def decref(self, run: Run) -> None:
+        """An allocation let go of `run`: unreferenced and published, its pages are
+        evictable again (and ranked, if it is a leaf)."""
+        assert run.ref_count > 0, f"page {run.pages[-1]} released more often than acquired"
+        run.ref_count -= 1
+        if run.ref_count == 0 and run.ready:
+            self.num_evictable += len(run.pages)
+            if not run.children:
+                self.push(run)
+
+    def evict(self, n: int) -> list[int]:
+        """Take up to `n` evictable pages off the trie, lowest key first.
+
+        Returns:
+            The pages taken, in eviction order; the caller frees them.
+        """
+        removed: list[int] = []
+        heap, trie = self.heap, self.trie
+        while len(removed) < n and heap:
+            _, version, run = heapq.heappop(heap)
+            if run.heap_version != version or not run.is_evictable_leaf():
+                continue
+            # Leaf first, one page at a time, as long as the run's next page would be the
+            # policy's next choice anyway.
+            take = 1
+            if self.whole_runs:
+                take = min(n - len(removed), len(run.pages))
+            else:
+                while (
+                    take < len(run.pages)
+                    and len(removed) + take < n
+                    and (not heap or self._key_after(run, take) < heap[0][0])
+                ):
+                    take += 1
+            cut = len(run.pages) - take
+            removed.extend(reversed(run.pages[cut:]))
+            self.num_evictable -= take
+            if cut:
+                trie.trim(run, cut)
+                self.push(run)  # its new last page: a leaf, ranked as one
+                continue
+            parent = run.parent
+            trie.remove_run(run)
+            if parent.parent is not None and parent.ref_count == 0 and not parent.children:
+                self.push(parent)
+        return removed
+
+    def _key_after(self, run: Run, take: int) -> tuple[int, ...]:
+        """The policy's key of the page that ends `run` once its last `take` pages went."""
+        i = len(run.pages) - take - 1
+        view = _PageView(run.first_id + i, run.last_access, run.hits, run.first_depth + i)
+        return self.policy.key(view)
