@@ -52,7 +52,9 @@ class Evictor:
         run.heap_version = next(self._versions)
         heapq.heappush(self.heap, (self.policy.key(run), run.heap_version, run))
         if len(self.heap) > 2 * self.num_evictable + 1024:
-            self.heap = [
+            # In place: an eviction in progress holds this very list and must see what is
+            # pushed while it runs (a new list would hide those leaves from it).
+            self.heap[:] = [
                 e for e in self.heap if e[2].is_evictable_leaf() and e[2].heap_version == e[1]
             ]
             heapq.heapify(self.heap)

@@ -109,3 +109,39 @@ def test_deepest_breaks_depth_ties_by_last_access():
     assert cache.take_events() == [PagesRemoved((2, 1, 0, 3), "evicted")]
     assert cache.num_cached_pages == 0
     cache.check_integrity()
+
+
+def _stale_heap(num_pages: int):
+    """A cache holding g -> {c -> {a, b}, x} (five evictable pages, uncovered leaf after
+    leaf by an eviction) and 1,500 one-page prompts referenced again, each with a private
+    page: their 1,500 stale heap entries make the next push compact the heap."""
+    cache, pool = make_cache(num_pages=num_pages)
+    g, c, x = make_tokens((1, 4)), make_tokens((5, 4)), make_tokens((9, 4))
+    for tokens in (g + c + make_tokens((20, 4)), g + c + make_tokens((30, 4)), g + x):
+        run_request(cache, pool, tokens + [0])
+    hot = [make_tokens((1000 + 4 * i, 4), (0, 1)) for i in range(1500)]
+    for tokens in hot:
+        run_request(cache, pool, tokens)
+    held = [cache.acquire(tokens[:4] + [7], NS) for tokens in hot]
+    assert cache.num_cached_pages == 5
+    return cache, pool, held
+
+
+def test_leaves_ranked_while_the_heap_is_compacted_are_still_evicted():
+    """An eviction pushes the leaves it uncovers; when one of those pushes compacts the
+    heap, the eviction must still see them: evict(n) of n evictable pages takes all n,
+    and an acquire that needs every evictable page gets them."""
+    cache, pool, held = _stale_heap(5 + 2 * 1500 + 100)
+    assert cache.evict(5) == 5 and cache.num_cached_pages == 0
+    for allocation in held:
+        allocation.release()
+    cache.check_integrity()
+
+    cache, pool, held = _stale_heap(5 + 2 * 1500)  # not a page free
+    assert pool.num_free == 0
+    allocation = cache.acquire(make_tokens((9000, 17)), NS)  # 5 pages: exactly those
+    assert allocation is not None and len(allocation.pages) == 5
+    allocation.release()
+    for allocation in held:
+        allocation.release()
+    cache.check_integrity()
