@@ -55,7 +55,7 @@ def test_a_holder_killed_mid_reply_costs_a_recompute_and_nothing_else(mesh):
     _, pid = ray.get(holder.process.remote())
     relay = KillingRelay(infos["w0"].page_address, pid, KILL_AFTER)
     try:
-        ray.get(copier.set_peers.remote([{**infos["w0"], "page_address": relay.address}]))
+        ray.get(copier.set_peers.remote([infos["w0"]._replace(page_address=relay.address)]))
         started = time.monotonic()
         out = mesh.generate(PROMPT, 4, tenant="mid", worker="w1")
         took = time.monotonic() - started

@@ -110,6 +110,11 @@ class EngineCache:
         """Copied pages that failed validation (changed, or holding other tokens)."""
         return self.member.copies_refused
 
+    def admitted(self, salt: str, local: int, remote: int, computed: int) -> None:
+        """Count a request vLLM admitted: its prompt tokens found on this engine, copied
+        from a peer and computed (the heartbeat's hit rates)."""
+        self.member.figures.admitted(salt, local, remote, computed)
+
     def save(self, spec: SaveSpec, layers: Sequence[torch.Tensor]) -> int:
         """Keep a request's full prompt blocks as pages and publish them; returns the
         pages written (those the store did not hold). A full store keeps nothing."""

@@ -157,7 +157,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 self._unfilled[spec.request_id] = spec.end - len(failed)
         for request_id, salt, local, external, prompt in meta.admitted:
             remote = min(external, max(0, loaded.get(request_id, 0) * self.block_size))
-            self.engine.figures.admitted(salt, local, remote, prompt - local - remote)
+            self.engine.admitted(salt, local, remote, prompt - local - remote)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

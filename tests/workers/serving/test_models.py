@@ -40,8 +40,8 @@ def test_the_configured_dtype_reaches_the_workers_pages(service):
     worker = Worker(settings)  # loads the model itself, as the Ray actor does
     try:
         assert worker.store.layout.dtype == "bfloat16"
-        out = worker.generate(list(range(1, 11)), max_new_tokens=3)
-        assert len(out["token_ids"]) == 3
+        out = worker.generate(list(range(1, 11)), 3)
+        assert len(out.token_ids) == 3
         worker.check_integrity()
     finally:
         worker.shutdown()
