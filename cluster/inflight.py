@@ -14,7 +14,6 @@ that worker's batch instead of each computing it somewhere else.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -45,7 +44,7 @@ class InFlight:
     def __init__(self, page_tokens: int):
         self.page_tokens = page_tokens
         self._entries: dict[int, _Entry] = {}
-        self._ids = itertools.count()
+        self._issued = 0  # handles handed out so far (the next one's value)
         self._lock = threading.Lock()
 
     def add(self, worker_id: str, namespace: Namespace, prompt: Sequence[int], tokens: int) -> int:
@@ -53,7 +52,7 @@ class InFlight:
         handle for `remove`."""
         entry = _Entry(worker_id, namespace, pack_tokens(list(prompt)), max(0, tokens))
         with self._lock:
-            handle = next(self._ids)
+            handle, self._issued = self._issued, self._issued + 1
             self._entries[handle] = entry
         return handle
 
@@ -87,6 +86,16 @@ class InFlight:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def check_integrity(self) -> None:
+        """Every entry's handle was handed out, its tokens are not negative and its prompt
+        is whole int32 tokens (raises AssertionError)."""
+        with self._lock:
+            entries, issued = dict(self._entries), self._issued
+        for handle, entry in entries.items():
+            assert 0 <= handle < issued, f"in-flight handle {handle} never handed out"
+            assert entry.tokens >= 0, f"in-flight request {handle}: {entry.tokens} tokens"
+            assert len(entry.packed) % 4 == 0, f"in-flight request {handle}: torn prompt"
 
 
 def _common_bytes(a: bytes, b: bytes) -> int:

@@ -519,6 +519,7 @@ class Mesh:
             elif isinstance(answer, Exception):
                 raise answer
         ray.get(get_service().check_integrity.remote())
+        self.dispatcher.inflight.check_integrity()
 
     def shutdown(self) -> None:
         """Stop what `connect` started: the whole mesh when it started it (`stop()`), or

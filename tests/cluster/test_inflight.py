@@ -3,6 +3,8 @@ on each worker and the prefixes being computed there, for routing."""
 
 from __future__ import annotations
 
+import pytest
+
 from cache_service.events import Namespace
 from cluster.inflight import InFlight, _common_bytes
 
@@ -21,6 +23,16 @@ def test_loads_count_the_tokens_in_flight_per_worker_until_removed():
     flight.remove(one)  # twice: nothing more
     assert flight.loads(["w0", "w1"]) == {"w0": 30.0, "w1": 8.0}
     assert len(flight) == 2
+    flight.check_integrity()
+
+
+def test_check_integrity_catches_a_broken_entry():
+    flight = InFlight(P)
+    handle = flight.add("w0", NS, list(range(8)), 8)
+    flight.check_integrity()
+    flight._entries[handle] = flight._entries[handle]._replace(tokens=-1)
+    with pytest.raises(AssertionError, match="-1 tokens"):
+        flight.check_integrity()
 
 
 def test_pending_is_the_whole_pages_shared_with_a_prompt_in_flight_in_its_namespace():
@@ -32,6 +44,7 @@ def test_pending_is_the_whole_pages_shared_with_a_prompt_in_flight_in_its_namesp
     assert flight.pending(NS, prompt) == {"w0": 20.0, "w1": 8.0}
     assert flight.pending(NS, [5, 6, 7, 8, 9]) == {}
     assert flight.pending(OTHER, prompt) == {"w2": 28.0}  # 30 tokens: 7 whole pages
+    flight.check_integrity()
 
 
 def test_common_bytes():
