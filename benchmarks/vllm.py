@@ -24,6 +24,7 @@ real text, not one id repeated).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,13 +127,18 @@ class EngineProcess:
         """End its input (the engine shuts down: its connector says BYE); kill if it hangs."""
         if self.process.poll() is None:
             try:
-                self.process.stdin.close()
+                self.end_input()
                 self.process.wait(timeout_s)
             except (subprocess.TimeoutExpired, BrokenPipeError):
                 self.process.kill()
                 self.process.wait()
         self._selector.close()
         self._log.close()
+
+    def end_input(self) -> None:
+        """Close its input, which starts its shutdown (`close` waits for it)."""
+        if not self.process.stdin.closed:
+            self.process.stdin.close()
 
     def _ask(self, request: dict) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -197,6 +203,16 @@ def kvmesh_engine(
     return ["--model", str(folder), "--ray-address", ray_address, "--kvmesh", engine_id, *node]
 
 
+def close_engines(engines: Iterable[EngineProcess], timeout_s: float = 60.0) -> None:
+    """Close engines side by side: every input ends first, so they shut down together."""
+    engines = list(engines)
+    for engine in engines:
+        with contextlib.suppress(BrokenPipeError):
+            engine.end_input()
+    for engine in engines:
+        engine.close(timeout_s)
+
+
 def start_engines(
     options: Mapping[str, list[str]],
     logs: Path,
@@ -220,8 +236,7 @@ def start_engines(
         for engine in engines.values():
             engine.wait_ready()
     except BaseException:
-        for engine in engines.values():
-            engine.close(timeout_s=5)
+        close_engines(engines.values(), timeout_s=5)
         raise
     return engines
 
@@ -282,8 +297,7 @@ def run(log=sys.stderr) -> dict:
         mismatches = count_mismatches(on_hit["token_ids"], plain["token_ids"])
         mesh_stats = mesh.stats()
     finally:
-        for engine in engines.values():
-            engine.close()
+        close_engines(engines.values())
         mesh.stop()
         ray.shutdown()
     ttft_hit, ttft_miss = statistics.median(hit), statistics.median(miss)

@@ -18,8 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cache_service.actor import RAY_NAMESPACE, get_service
 from cache_service.auth import MeshKeys
 from cluster.config import KvmeshConfig
-from workers.actor import WORKER_CONCURRENCY, WorkerActor, worker_actor_name
-from workers.api import WorkerInfo, WorkerSettings
+from workers.api import WORKER_CONCURRENCY, WorkerInfo, WorkerSettings, worker_actor_name
 
 STATS_TIMEOUT_S = 10.0  # a worker that does not answer `stats` within this is reported
 
@@ -54,6 +53,10 @@ def start_workers(cfg: KvmeshConfig, keys: MeshKeys, group: Any, detached: bool)
     Returns:
         worker id -> actor handle, for the mesh's worker ids (`keys.workers`, in order).
     """
+    # Here, not above: the worker brings torch and the model code, which only a process
+    # that starts workers needs.
+    from workers.actor import WorkerActor
+
     bundle = group.bundle_specs[0]
     actor_cls = ray.remote(WorkerActor)
     workers = {}

@@ -22,12 +22,12 @@ from cache_service.routing import DEFAULT_POLICY
 from cache_service.routing import POLICIES as ROUTING_POLICIES
 from cache_service.server import ServerConfig
 from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.serving.compaction import CompactionConfig
+from workers.serving.compaction.config import CompactionConfig
+from workers.serving.config import SchedulerConfig
 from workers.serving.models import DTYPES, model_shape
-from workers.serving.scheduler import SchedulerConfig
 from workers.store.layout import StoreLayout
-from workers.transfer import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.costs import POLICIES
+from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 
 
 class ConfigError(ValueError):

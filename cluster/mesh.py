@@ -76,9 +76,14 @@ from cluster.requests import (
 from cluster.roster import Roster
 from cluster.status import summarize
 from cluster.streams import TokenStream, chat_prompt
-from workers.member import SERVICE_BACKOFF_S
-from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, ray_resolver
-from workers.serving.sampling import SamplingParams
+from workers.service.client import (
+    SERVICE_BACKOFF_S,
+    ServiceClient,
+    ServiceError,
+    ServiceUnavailable,
+    ray_resolver,
+)
+from workers.serving.config import SamplingParams
 
 __all__ = ["GenerateResult", "Mesh", "MeshError", "connect"]
 

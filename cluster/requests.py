@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 from cache_service.events import Namespace
 from cache_service.protocol import Limits
 from workers.api import GenerateOutput, GenerateRequest
+from workers.serving.config import SamplingParams
 from workers.serving.models import model_shape
 from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
-from workers.serving.sampling import SamplingParams
 
 
 class GenerateResult(NamedTuple):

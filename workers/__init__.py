@@ -10,6 +10,7 @@
     worker.py   the worker: a member with a model and its serving loop
     api.py      the typed values a front door and a worker exchange
     actor.py    the worker as a Ray actor
+    lazy.py     names a package exports but loads on first use
 
 The most used names are importable from here; they load on first use, so importing a
 subpackage (the trie, say) never pulls in torch through this module.
@@ -17,21 +18,16 @@ subpackage (the trie, say) never pulls in torch through this module.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_exports
 
-_EXPORTS = {
+_HOMES = {
     "SharedPageStore": "workers.store.page_store",
     "StoreLayout": "workers.store.page_store",
     "PrefixCache": "workers.cache.prefix_cache",
     "PrefixCacheConfig": "workers.cache.prefix_cache",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workers' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _HOMES)

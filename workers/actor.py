@@ -11,17 +11,10 @@ import os
 import ray
 
 from cache_service.actor import resolve_host
-from workers.api import WorkerSettings
+from workers.api import WORKER_CONCURRENCY, WorkerSettings, worker_actor_name
 from workers.worker import Worker
 
-# Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
-# the front door's stats, pings and peer updates beside them.
-WORKER_CONCURRENCY = 256
-
-
-def worker_actor_name(worker_id: str) -> str:
-    """The Ray name of a worker's actor (in RAY_NAMESPACE), by which front doors find it."""
-    return f"kvmesh-worker-{worker_id}"
+__all__ = ["WORKER_CONCURRENCY", "WorkerActor", "worker_actor_name"]
 
 
 class WorkerActor(Worker):

@@ -12,7 +12,10 @@ value per direction, as `cache_service.messages` is for the service's wire:
                             WorkerStats           stats
 
 Every default lives here once: the worker's convenience `generate(prompt, ...)` and the
-front door build the same `GenerateRequest`, so neither keeps a table of its own.
+front door build the same `GenerateRequest`, so neither keeps a table of its own. The
+actor's Ray name and concurrency are here too, so a front door that only finds and calls
+workers (`kvmesh status`, `down`, an attached client) never imports the worker itself,
+nor torch with it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from typing import Any
 
 from cache_service.auth import KeyPair
 from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.serving.compaction import CompactionConfig
-from workers.serving.sampling import SamplingParams
-from workers.serving.scheduler import SchedulerConfig
+from workers.serving.compaction.config import CompactionConfig
+from workers.serving.config import SamplingParams, SchedulerConfig
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.peers import PeerInfo
 
@@ -33,6 +35,15 @@ from workers.transfer.peers import PeerInfo
 WorkerInfo = PeerInfo
 
 FINISH_REASONS = ("stop", "length", "out_of_pages")
+
+# Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
+# the front door's stats, pings and peer updates beside them.
+WORKER_CONCURRENCY = 256
+
+
+def worker_actor_name(worker_id: str) -> str:
+    """The Ray name of a worker's actor (in RAY_NAMESPACE), by which front doors find it."""
+    return f"kvmesh-worker-{worker_id}"
 
 
 @dataclass(frozen=True)

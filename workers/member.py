@@ -43,6 +43,7 @@ from cache_service.events import Namespace
 from cache_service.messages import HolderSpan, WorkerReport
 from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
 from workers.service.client import (
+    SERVICE_BACKOFF_S,
     ServiceClient,
     ServiceEndpoint,
     ServiceError,
@@ -61,11 +62,6 @@ from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT, TransferAuth
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 
 log = logging.getLogger(__name__)
-
-# After the service failed to answer, a member's clients skip it for this long (doubling
-# while it stays down, up to 8 times as long); the publisher's heartbeats probe for its
-# return, so requests never wait on a service that is down.
-SERVICE_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)

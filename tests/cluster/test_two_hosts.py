@@ -497,6 +497,7 @@ def test_vllm_engines_on_two_hosts_share_a_prefix_through_page_servers(hosts, me
     with the same first 512 tokens, loads them from A's page server (CurveZMQ, keys from
     the mesh) instead of computing them, and produces the greedy tokens it computes alone."""
     from benchmarks.vllm import (
+        close_engines,
         count_mismatches,
         kvmesh_engine,
         model_dir,
@@ -531,8 +532,7 @@ def test_vllm_engines_on_two_hosts_share_a_prefix_through_page_servers(hosts, me
         time.sleep(1.5)  # B's next heartbeats carry its figures
         after = engine_figures(hosts, 512 // 16)
     finally:
-        for engine in engines.values():
-            engine.close()
+        close_engines(engines.values())
     print(f"\nengines on two hosts: {json.dumps(after)}")
     found = after["engines"]
     assert found["vllm-a"]["address"] == hosts.a.address

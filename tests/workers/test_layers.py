@@ -11,7 +11,8 @@ module of it loads, and so what it may depend on.
 
 The trie and the service link never load torch; nothing below the actor loads Ray; the
 serving engine never speaks ZMQ; transfer never reaches the cache or the serving engine;
-the mesh member is built without a model, so an engine (vLLM) joins without ours.
+the mesh member is built without a model, so an engine (vLLM) joins without ours. The
+typed API and the settings it carries load no torch, so neither does the front door.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ FORBIDDEN = {
         *ABOVE_MEMBER,
     ],
     "workers.member": ["ray", "transformers", "workers.serving", *ABOVE_MEMBER],
-    "workers.api": ["ray", "workers.member", *ABOVE_MEMBER],
+    "workers.api": ["ray", "torch", "transformers", "workers.member", *ABOVE_MEMBER],
+    # The settings a config holds, read without torch (the modules that use them do).
+    "workers.serving.config": ["torch", "ray", "zmq"],
+    "workers.serving.compaction.config": ["torch", "ray", "zmq"],
+    "workers.store.layout": ["torch", "ray", "zmq"],
     "workers.engines.engine": ["ray", "transformers", "workers.serving", "workers.worker"],
     "workers.worker": ["ray", "workers.actor", "workers.engines"],
     "cache_service.routing": [
@@ -82,6 +87,13 @@ FORBIDDEN = {
         "cache_service.protocol",
     ],
     "cluster.inflight": ["ray", "zmq", "torch"],
+    # The front door reaches workers through the typed API and their actors' names: one
+    # that launches, attaches or reports (`kvmesh up`, `status`, `down`) never loads the
+    # model code. Only starting a worker imports it (`cluster.actors.start_workers`).
+    **{
+        module: ["torch", "transformers", "workers.worker", "workers.actor"]
+        for module in ("cluster.cli", "cluster.config", "cluster.launch", "cluster.mesh")
+    },
 }
 
 

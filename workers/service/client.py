@@ -60,6 +60,12 @@ from cache_service.tokens import TokenInput
 log = logging.getLogger(__name__)
 
 
+# After the service failed to answer, a mesh member's clients skip it for this long
+# (doubling while it stays down, up to 8 times as long); the publisher's heartbeats probe
+# for its return, so requests never wait on a service that is down.
+SERVICE_BACKOFF_S = 1.0
+
+
 class ServiceUnavailable(RuntimeError):
     """The service did not answer in time (down, restarting or unreachable)."""
 

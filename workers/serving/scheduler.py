@@ -38,12 +38,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from workers.cache.prefix_cache import PrefixCache
 from workers.serving.batch_runner import Chunk
 from workers.serving.compaction import Compactor
+from workers.serving.config import SchedulerConfig
 from workers.serving.sequence import Phase, Sequence
 
 log = logging.getLogger(__name__)
@@ -52,33 +52,6 @@ log = logging.getLogger(__name__)
 class CacheFull(RuntimeError):
     """The worker's page store cannot hold this request even after evicting everything
     unreferenced."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How much one forward pass takes."""
-
-    # Sequences in prefill or decode at once: the decode batch at most.
-    max_running: int = 32
-    # Tokens of one forward pass: the longest prompts run whole, and a pass stays short
-    # enough that decoding sequences wait little between their steps.
-    max_batch_tokens: int = 4096
-    # A prompt's tokens per pass at most (0: as many as the pass has room for).
-    prefill_chunk_tokens: int = 0
-    # Requests that arrive together compute a prefix they share once (off: each computes
-    # its whole prompt, as engines without same-batch sharing do).
-    batch_sharing: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
-        if self.max_batch_tokens < self.max_running:
-            raise ValueError(
-                f"max_batch_tokens ({self.max_batch_tokens}) must leave each of max_running "
-                f"({self.max_running}) sequences a decode token"
-            )
-        if self.prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
 
 
 class Step(NamedTuple):

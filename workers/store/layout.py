@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Codes are part of the segment format: never renumber, only append.
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Bytes per element, so a layout's sizes are known without torch (a config is checked, and
+# a store planned, by processes that never load a model).
+_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class PageStoreError(RuntimeError):
@@ -67,11 +71,13 @@ class StoreLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.dtype]
+        import torch  # here, not above: see _ITEM_BYTES
+
+        return getattr(torch, self.dtype)
 
     @property
     def page_bytes(self) -> int:
-        return math.prod(self.page_shape) * self.torch_dtype.itemsize
+        return math.prod(self.page_shape) * _ITEM_BYTES[self.dtype]
 
     @property
     def kv_format(self) -> str:

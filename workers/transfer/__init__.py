@@ -57,39 +57,35 @@ so every other requester) until a 30 s tracker wait timed out and killed the thr
   that request is lost. Should the thread die anyway (an asynchronous exception),
   `ensure_running` (called from the worker's heartbeat) rebinds the same address and
   starts a new one; `health` reports it.
+
+The names below load on first use (the page client and the same-node copy need torch; the
+wire's constants and the costs do not), so a process that only reads a config never loads
+torch through this package.
 """
 
-from workers.transfer.page_client import PageClient
-from workers.transfer.page_server import PageServer
-from workers.transfer.page_wire import (
-    ENCRYPT_PAGES_DEFAULT,
-    MAX_PAGES_PER_REQUEST,
-    TRANSFER_VERSION,
-    PageRequest,
-    ReplayGuard,
-    TransferAuth,
-    TransferError,
-    check_signature,
-    decode_request,
-    encode_request,
-)
-from workers.transfer.raw_pipe import RawZmqPipe
-from workers.transfer.shm_copy import contiguous_runs, copy_from_peer
+from __future__ import annotations
 
-__all__ = [
-    "ENCRYPT_PAGES_DEFAULT",
-    "MAX_PAGES_PER_REQUEST",
-    "TRANSFER_VERSION",
-    "PageClient",
-    "PageRequest",
-    "PageServer",
-    "RawZmqPipe",
-    "ReplayGuard",
-    "TransferAuth",
-    "TransferError",
-    "check_signature",
-    "contiguous_runs",
-    "copy_from_peer",
-    "decode_request",
-    "encode_request",
-]
+from workers.lazy import lazy_exports
+
+_HOMES = {
+    "ENCRYPT_PAGES_DEFAULT": ".page_wire",
+    "MAX_PAGES_PER_REQUEST": ".page_wire",
+    "TRANSFER_VERSION": ".page_wire",
+    "PageClient": ".page_client",
+    "PageRequest": ".page_wire",
+    "PageServer": ".page_server",
+    "RawZmqPipe": ".raw_pipe",
+    "ReplayGuard": ".page_wire",
+    "TransferAuth": ".page_wire",
+    "TransferError": ".page_wire",
+    "check_signature": ".page_wire",
+    "contiguous_runs": ".shm_copy",
+    "copy_from_peer": ".shm_copy",
+    "decode_request": ".page_wire",
+    "encode_request": ".page_wire",
+}
+
+__all__ = sorted(_HOMES)
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import cluster
 from benchmarks.vllm import (
+    close_engines,
     count_mismatches,
     kvmesh_engine,
     model_dir,
@@ -60,8 +61,7 @@ def started(mesh, tmp_path_factory):
         tmp_path_factory.mktemp("vllm-logs"),
     )
     yield engines
-    for engine in engines.values():
-        engine.close()
+    close_engines(engines.values())
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from workers.serving.compaction.config import Budget
 from workers.serving.compaction.policies import (
     COMPACTION_POLICIES,
-    Budget,
     Candidates,
     CompactionPolicy,
     H2oPolicy,

@@ -36,6 +36,15 @@ def test_layout_shape_and_bytes():
     assert make_layout().page_bytes == 2 * 2 * 3 * 4 * 5 * 4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_page_bytes_known_without_torch_agree_with_torch(dtype):
+    # The layout sizes pages from its own table (a config is checked without torch).
+    layout = make_layout(dtype=dtype)
+    page = torch.empty(layout.page_shape, dtype=layout.torch_dtype)
+    assert layout.torch_dtype is getattr(torch, dtype)
+    assert layout.page_bytes == page.numel() * page.element_size()
+
+
 def test_kv_format_names_what_the_bytes_mean_not_how_many_pages():
     layout = make_layout()
     assert layout.kv_format == "kv1:layers=2:kv_heads=3:head_dim=5:page_tokens=4:dtype=float32"

@@ -12,61 +12,17 @@ page: compaction works exactly when the store is full.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from workers.serving.compaction.config import Budget, CompactionConfig
 from workers.serving.compaction.kv_state import KvState, Segment
-from workers.serving.compaction.policies import (
-    COMPACTION_POLICIES,
-    Budget,
-    CompactionPolicy,
-    make_compaction_policy,
-)
+from workers.serving.compaction.policies import CompactionPolicy, make_compaction_policy
 
 if TYPE_CHECKING:
     from workers.cache.prefix_cache import Allocation
     from workers.store.page_store import SharedPageStore
-
-
-@dataclass(frozen=True)
-class CompactionConfig:
-    """Compaction in a worker (off unless `policy` names one)."""
-
-    # "none", or a registered policy: streaming_llm, h2o, snapkv, or one of your own.
-    policy: str = "none"
-    # The policy's own settings (e.g. {"sinks": 4} or {"adaptive": true}).
-    params: Mapping[str, Any] = field(default_factory=dict)
-    # What each (layer, KV head) keeps of the compactable KV: a fraction, a token count,
-    # or a fraction per layer. Half keeps quality close to the full cache on prose for the
-    # score-based policies (see `kvmesh bench compaction`).
-    budget: int | float | tuple[float, ...] = 0.5
-    # Compact running sequences once their pages pass this share of the store: below it
-    # the memory is there to be used, and every compaction loses a little quality.
-    high_water: float = 0.9
-    # Queries in SnapKV's observation window (the paper's 32 for short windows).
-    window: int = 32
-    # A sequence is compacted again only once this many tokens have been computed since
-    # its last compaction: fewer would free less than a page per head.
-    min_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        if self.policy != "none" and self.policy not in COMPACTION_POLICIES:
-            known = ", ".join(["none", *sorted(COMPACTION_POLICIES)])
-            raise ValueError(f"unknown compaction policy {self.policy!r}; known: {known}")
-        if self.policy != "none":
-            make_compaction_policy(self.policy, **dict(self.params))  # its params, checked
-        elif self.params:
-            raise ValueError(f"compaction params {dict(self.params)} given without a policy")
-        Budget.parse(self.budget)
-        if not 0.0 < self.high_water <= 1.0:
-            raise ValueError(f"high_water must be in (0, 1], got {self.high_water}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.min_tokens < 1:
-            raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
 
 
 class CompactionResult(NamedTuple):

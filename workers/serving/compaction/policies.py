@@ -27,6 +27,8 @@ from typing import ClassVar, NamedTuple, TypeVar
 import torch
 import torch.nn.functional as F
 
+from workers.serving.compaction.config import is_int
+
 # The scores a runner can track for a policy; a policy's `needs` names a subset.
 SCORES = frozenset({"accumulated", "window"})
 
@@ -34,10 +36,6 @@ SCORES = frozenset({"accumulated", "window"})
 # candidates, so a head whose scores look flat next to a concentrated one is never starved.
 # Kept as a divisor so the floor is exact integer arithmetic (k // 5), not float rounding.
 _FLOOR_DIVISOR = 5
-
-# Slack for ceil(fraction * count): 0.3 * 10 is 3.0000000000000004 in floating point and
-# would keep one token too many; the slack is far below 1 / count for any real stream.
-_CEIL_SLACK = 1e-9
 
 # Sort keys pack a float32 score's bits above a 32-bit position (see `_sort_key`).
 _MAX_POSITION = 2**31 - 1
@@ -58,113 +56,6 @@ class Candidates(NamedTuple):
     # summed over those queries and the KV head's query heads (SnapKV's observation window)
     window_queries: int  # queries in that window (0: none recorded)
     next_position: int  # the sequence's length; every candidate position is below it
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass, and `True` as a budget is always a config mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_fraction(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How much of each stream a compaction keeps: exactly one of the three fields.
-
-    `tokens` keeps that many per stream, `fraction` that share of each stream's valid
-    candidates (rounded up), `per_layer` one such share per layer (deep layers often
-    tolerate more dropping than shallow ones).
-    """
-
-    tokens: int | None = None
-    fraction: float | None = None
-    per_layer: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        given = [f for f in ("tokens", "fraction", "per_layer") if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "a budget takes exactly one of tokens / fraction / per_layer; got "
-                f"tokens={self.tokens!r}, fraction={self.fraction!r}, "
-                f"per_layer={self.per_layer!r}"
-            )
-        if self.tokens is not None and not (_is_int(self.tokens) and self.tokens >= 1):
-            raise ValueError(f"budget tokens must be an int >= 1, got {self.tokens!r}")
-        if self.fraction is not None:
-            if not _is_fraction(self.fraction):
-                raise ValueError(f"budget fraction must be in (0, 1], got {self.fraction!r}")
-            object.__setattr__(self, "fraction", float(self.fraction))
-        if self.per_layer is not None:
-            shares = self.per_layer
-            if not isinstance(shares, list | tuple) or not shares:
-                raise ValueError(
-                    f"budget per_layer must be a non-empty sequence of fractions, got {shares!r}"
-                )
-            bad = [(i, f) for i, f in enumerate(shares) if not _is_fraction(f)]
-            if bad:
-                raise ValueError(f"budget per_layer fractions must be in (0, 1], got {bad!r}")
-            # A tuple keeps the frozen budget hashable when a list came from YAML.
-            object.__setattr__(self, "per_layer", tuple(float(f) for f in shares))
-
-    @classmethod
-    def parse(cls, value: object) -> Budget:
-        """Read a budget from a config value.
-
-        Args:
-            value: an int (tokens per stream, >= 1), a float in (0, 1] (a fraction of
-                each stream) or a list / tuple of such floats (one per layer).
-
-        Returns:
-            The budget.
-
-        Raises:
-            ValueError: a bool, a string or any other type, or a number out of range.
-        """
-        if isinstance(value, bool):
-            raise ValueError(f"a budget cannot be a bool, got {value!r}")
-        if isinstance(value, int):
-            return cls(tokens=value)
-        if isinstance(value, float):
-            return cls(fraction=value)
-        if isinstance(value, list | tuple):
-            return cls(per_layer=tuple(value))
-        raise ValueError(
-            "a budget is an int (tokens), a float in (0, 1] (fraction) or a list of floats "
-            f"(per layer); got {value!r}"
-        )
-
-    def counts(self, valid: torch.Tensor) -> torch.Tensor:
-        """How many candidates each stream keeps.
-
-        Args:
-            valid: (L, KVH, n) bool, False on padding.
-
-        Returns:
-            (L, KVH) long, never more than the stream's valid count.
-
-        Raises:
-            ValueError: `valid` is not a 3-D bool tensor, or `per_layer` has not L entries.
-        """
-        if valid.dim() != 3 or valid.dtype != torch.bool:
-            raise ValueError(
-                f"valid must be an (L, KVH, n) bool tensor, got {valid.dtype} {tuple(valid.shape)}"
-            )
-        n_valid = valid.sum(-1)  # (L, KVH)
-        if self.tokens is not None:
-            return n_valid.clamp(max=self.tokens)
-        layers = valid.shape[0]
-        if self.per_layer is None:
-            share = torch.full((layers,), self.fraction, dtype=torch.float64)
-        else:
-            if len(self.per_layer) != layers:
-                raise ValueError(
-                    f"budget per_layer has {len(self.per_layer)} fractions for {layers} layers"
-                )
-            share = torch.tensor(self.per_layer, dtype=torch.float64)
-        want = torch.ceil(n_valid.double() * share[:, None] - _CEIL_SLACK).long()  # (L, KVH)
-        return torch.minimum(want, n_valid)
 
 
 class CompactionPolicy(ABC):
@@ -419,7 +310,7 @@ class StreamingLlmPolicy(CompactionPolicy):
     sinks: int = 4  # the StreamingLLM paper's choice: four sinks recover the full model
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.sinks) and self.sinks >= 0):
+        if not (is_int(self.sinks) and self.sinks >= 0):
             raise ValueError(f"streaming_llm sinks must be an int >= 0, got {self.sinks!r}")
 
     def select(self, candidates: Candidates, keep: torch.Tensor) -> torch.Tensor:
@@ -516,7 +407,7 @@ class SnapKvPolicy(_ScoredPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (_is_int(self.kernel) and self.kernel >= 1 and self.kernel % 2 == 1):
+        if not (is_int(self.kernel) and self.kernel >= 1 and self.kernel % 2 == 1):
             raise ValueError(f"snapkv kernel must be an odd int >= 1, got {self.kernel!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"snapkv pooling must be 'max' or 'avg', got {self.pooling!r}")
