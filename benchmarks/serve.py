@@ -143,7 +143,7 @@ def run(log=sys.stderr, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     jobs = _jobs()
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, namespace="kvmesh", log_to_driver=False)
+        ray.init(address="local", num_cpus=2, namespace="kvmesh", log_to_driver=False)
     figures: dict[str, Any] = {
         "clients": CLIENTS,
         "workers": 2,

@@ -251,7 +251,7 @@ def run(log=sys.stderr) -> dict:
     python = vllm_python(log)
     folder = model_dir()
     prefix, suffixes = shared_prompts(2 * ROUNDS + 2)
-    ray.init(num_cpus=2, namespace="kvmesh", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="kvmesh", log_to_driver=False)
     mesh = cluster.connect(
         config_from_dict({"model": {"name": "tiny"}, "workers": {"count": 1, "threads": 1}}),
         log=log,

@@ -156,7 +156,10 @@ def join_ray(address: str | None, log) -> bool:
         return False
     if address is None:
         print("starting an embedded Ray instance...", file=log)
+        # "local": a new instance of our own, even where `ray start` left a cluster
+        # running on this machine (a bare init would join that one).
         ray.init(
+            address="local",
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
             namespace=RAY_NAMESPACE,

@@ -91,6 +91,7 @@ class _Rays:
         self.close()
         if kind == "local":
             ray.init(
+                address="local",  # never a cluster that `ray start` left on the machine
                 num_cpus=2,
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
