@@ -1,7 +1,8 @@
 """The worker as a Ray actor, beside the worker it wraps (as `cache_service.actor` is beside
 the server): its settings arrive as the typed `WorkerSettings`, and the node it lands on
 (where its placement-group bundle put it) fills in `node_id` and the page server's
-`host`. Every other method is the worker's own, with the values of `workers.api`."""
+`host`. Every other method is the worker's own, with the values of `workers.api` (which
+also holds the actor's Ray name and concurrency, for front doors that never import this)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ import os
 import ray
 
 from cache_service.actor import resolve_host
-from workers.api import WORKER_CONCURRENCY, WorkerSettings, worker_actor_name
+from workers.api import WorkerSettings
 from workers.worker import Worker
-
-__all__ = ["WORKER_CONCURRENCY", "WorkerActor", "worker_actor_name"]
 
 
 class WorkerActor(Worker):
