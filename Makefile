@@ -53,9 +53,17 @@ system-packages:
 # Everything the suite needs: the two venvs and the Debian packages, side by side.
 test-deps: install vllm-venv system-packages
 
+# The suite is spread over TEST_PROCESSES pytest processes, a test file each at a time
+# (`--dist loadfile`: a module's shared mesh is built once, in one process). Most tests
+# wait on other processes (Ray, workers, vLLM engines) as much as they compute, so three
+# keep two cores busy. Each runs under tests/isolate, with a /dev/shm of its own, so the
+# leak checks of one never see another's segments.
+TEST_PROCESSES ?= 3
+
 test:
 	$(MAKE) -j3 test-deps
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --dist loadfile \
+	    --tx '$(TEST_PROCESSES)*popen//python=$(CURDIR)/tests/isolate $(CURDIR)/$(BIN)/python'
 
 lint: install
 	$(BIN)/ruff check .

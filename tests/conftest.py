@@ -1,9 +1,10 @@
 """Fixtures shared by the whole suite: Ray, and the leak checks every test passes.
 
 Ray: one embedded instance (`ray_local`) and one simulated two-node cluster
-(`ray_cluster`) serve every module that asks for them. A driver holds one Ray connection
-at a time, so asking for the other kind shuts the first down and starts the second; the
-suite runs its modules in file order, so that happens a few times per run, not per test.
+(`ray_cluster`) serve every module of a test process that asks for them. A driver holds
+one Ray connection at a time, so asking for the other kind shuts the first down and starts
+the second; a process runs whole modules in file order (`make test` hands each of its
+processes whole files), so that happens a few times per run, not per test.
 Each module must leave the Ray it used as it found it: no named kvmesh actor survives it.
 
 Leaks: around every test and every module, no `/dev/shm/kvmesh-*` segment may be left

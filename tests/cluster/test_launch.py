@@ -144,8 +144,10 @@ def test_an_unplaceable_up_leaves_nothing(operator):
     (root / "big.yaml").write_text(TINY.replace("count: 2", "count: 5"))
     heads_before = set(processes_mentioning("kvmesh-ray-"))
     up = kvmesh("up", "--config", str(root / "big.yaml"), env=env)
-    assert up.returncode == 1
-    assert "cannot place 5 workers of CPU 1" in up.stderr and "missing CPU 3" in up.stderr
+    assert up.returncode == 1, up.stderr
+    assert "cannot place 5 workers of CPU 1" in up.stderr and "missing CPU 3" in up.stderr, (
+        up.stderr
+    )
     assert "starting a Ray head" in up.stderr  # it got that far, and stopped it again
     assert not (root / "state" / "mesh.json").exists()
     assert set(processes_mentioning("kvmesh-ray-")) <= heads_before
@@ -153,7 +155,7 @@ def test_an_unplaceable_up_leaves_nothing(operator):
     # Nodes that never join: --min-nodes gives up after its timeout, leaving nothing.
     config = str(root / "tiny.yaml")
     up = kvmesh("up", "--config", config, "--min-nodes", "2", "--nodes-timeout", "1", env=env)
-    assert up.returncode == 1
-    assert "has 1 live node(s)" in up.stderr and "--min-nodes asked for 2" in up.stderr
+    assert up.returncode == 1, up.stderr
+    assert "has 1 live node(s)" in up.stderr and "--min-nodes asked for 2" in up.stderr, up.stderr
     assert not (root / "state" / "mesh.json").exists()
     assert set(processes_mentioning("kvmesh-ray-")) <= heads_before
