@@ -8,8 +8,10 @@ Every request goes through the same two steps:
                         and count it in flight on the chosen worker while it runs
     failover(worker)    a worker that dies under a call (Ray's RayActorError) is marked
                         lost (routing skips it, the service drops its pages, its peers
-                        forget it); the request is routed again, unless the caller named
-                        the worker or a stream already handed tokens over: then MeshError
+                        forget it), one that refuses it (ServingStopped: its serving loop
+                        failed) is left out of routing until it serves again; either
+                        way the request is routed again, unless the caller named the
+                        worker or a stream already handed tokens over: then MeshError
 
 `generate` sends each worker the requests routed to it as one batch (queued together, they
 share what they have in common) and gathers the outputs in order; `stream` runs one
@@ -29,7 +31,7 @@ from cluster.errors import MeshError
 from cluster.inflight import InFlight
 from cluster.requests import FrontRequest
 from cluster.roster import Roster
-from workers.api import GenerateOutput, StreamItem
+from workers.api import GenerateOutput, ServingStopped, StreamItem
 from workers.service.client import ServiceClient, ServiceUnavailable
 
 
@@ -86,10 +88,11 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def failover(self, worker: str, pinned: bool) -> Iterator[Attempt]:
-        """Run a call to `worker`; if the worker dies under it, mark it lost and return
-        normally (the caller routes the request again), or raise MeshError when it
-        cannot run again: the caller named the worker (`pinned`), or the call handed
-        something over already (the caller set the attempt's `started`)."""
+        """Run a call to `worker`; if the worker dies under it, mark it lost, or if it
+        stopped serving, leave it out of routing, and return normally (the caller routes
+        the request again); or raise MeshError when it cannot run again: the caller
+        named the worker (`pinned`), or the call handed something over already (the
+        caller set the attempt's `started`)."""
         attempt = Attempt()
         try:
             yield attempt
@@ -97,6 +100,11 @@ class Dispatcher:
             self.roster.lost(worker, exc)
             if pinned or attempt.started:
                 raise MeshError(f"worker {worker!r} died during the request: {exc}") from None
+        except ServingStopped as exc:  # Ray's error for it is a ServingStopped too
+            why = str(getattr(exc, "cause", None) or exc).strip().splitlines()[-1]
+            self.roster.stopped_serving(worker, why)
+            if pinned or attempt.started:
+                raise MeshError(f"worker {worker!r} stopped serving: {why}") from None
 
     def route(self, request: FrontRequest) -> tuple[str, int]:
         """The live worker the routing policy chooses, and the prompt tokens it is
@@ -105,9 +113,13 @@ class Dispatcher:
         Raises:
             MeshError: every worker is dead.
         """
-        live = self.roster.live()
+        live = self.roster.routable()
         if not live:
-            raise MeshError(f"no live worker left (dead: {', '.join(self.roster.dead())})")
+            down = [f"{w} ({why})" for w, why in self.roster.not_serving().items()]
+            raise MeshError(
+                f"no live worker serves now (dead: {', '.join(self.roster.dead()) or 'none'}; "
+                f"not serving: {', '.join(down) or 'none'})"
+            )
         namespace, tokens = request.namespace, request.tokens
         loads = self.inflight.loads(live)
         pending = self.inflight.pending(namespace, tokens)

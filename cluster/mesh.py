@@ -46,7 +46,6 @@ from cache_service.actor import (
     stop_service,
 )
 from cache_service.auth import MeshKeys, tenant_salt
-from cache_service.events import Namespace
 from cluster import placement
 from cluster.actors import (
     STATS_TIMEOUT_S,
@@ -82,6 +81,7 @@ from workers.service.client import (
     ServiceError,
     ServiceUnavailable,
     ray_resolver,
+    recover,
 )
 from workers.serving.config import SamplingParams
 
@@ -582,12 +582,4 @@ class Mesh:
     def _probe_service(self) -> None:
         """While routing skips the service (it did not answer), ask it here, off the
         request path, whether it is back; when it answers, routing asks it again."""
-        if not self.service_client.circuit_open:
-            return
-        try:
-            self._prober.route(Namespace("", "", ""), b"", {})
-        except ServiceUnavailable:
-            return
-        except ServiceError:
-            pass  # an answer all the same
-        self.service_client.reconnect()
+        recover(self.service_client, self._prober)

@@ -9,6 +9,11 @@ store and close their page clients to it). A worker that does not answer is not 
 busy actor only answers its ping late, and one behind a network cut answers once the link
 is back (the service's liveness expiry takes its pages out of routing meanwhile).
 
+A worker that is alive but does not serve (its serving loop failed and restarts, or
+stays down: `workers.serving.loop`) is left out of routing while its `health` says so, or
+while queued work has waited STALL_S for a pass; its pages stay available to its peers.
+The watchdog's ping is that `health` call, so it takes the worker back once it serves.
+
 With `workers.max_restarts`, Ray restarts a dead worker with a fresh store; the watchdog
 asks dead workers for their `info` every REVIVAL_PROBE_S and takes back those that answer,
 telling the others where the new store is.
@@ -26,10 +31,13 @@ from typing import Any
 
 import ray
 
-from workers.api import WorkerInfo
+from workers.api import ServingHealth, WorkerInfo
 
 REVIVAL_PROBE_S = 1.0  # how often a dead worker is asked whether Ray restarted it
 WATCH_INTERVAL_S = 0.5  # how often the front door checks that its workers are alive
+# Queued work that no pass has served for this long means a stuck loop (the longest pass,
+# a whole-context prefill of the real model on two cores, takes a few seconds).
+STALL_S = 60.0
 
 
 class Roster:
@@ -51,6 +59,7 @@ class Roster:
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self._dead: set[str] = set()  # workers whose actors Ray reported gone
+        self._not_serving: dict[str, str] = {}  # alive, not serving: worker -> why
         self._inflight: Counter[str] = Counter()  # requests running on each worker
         self._infos: dict[str, WorkerInfo] = {}  # how workers reach each other
         self._probes: dict[str, Any] = {}  # dead worker -> its pending `info` call
@@ -64,6 +73,34 @@ class Roster:
         """The workers not known to be dead, by id."""
         with self._lock:
             return [w for w in self.handles if w not in self._dead]
+
+    def routable(self) -> list[str]:
+        """The live workers that serve requests now, by id."""
+        with self._lock:
+            return [w for w in self.handles if w not in self._dead and w not in self._not_serving]
+
+    def not_serving(self) -> dict[str, str]:
+        """Live workers that do not serve now: worker -> why."""
+        with self._lock:
+            return dict(self._not_serving)
+
+    def stopped_serving(self, worker_id: str, reason: str) -> None:
+        """`worker_id` is alive but refuses requests: route around it until its health
+        says it serves again."""
+        with self._lock:
+            if worker_id in self._dead or worker_id in self._not_serving:
+                return
+            self._not_serving[worker_id] = reason
+        print(
+            f"kvmesh: worker {worker_id} is not serving ({reason}); routing around it",
+            file=sys.stderr,
+        )
+
+    def _serving_again(self, worker_id: str) -> None:
+        with self._lock:
+            if self._not_serving.pop(worker_id, None) is None:
+                return
+        print(f"kvmesh: worker {worker_id} serves again", file=sys.stderr)
 
     def is_dead(self, worker_id: str) -> bool:
         with self._lock:
@@ -104,6 +141,7 @@ class Roster:
             if worker_id in self._dead:
                 return
             self._dead.add(worker_id)
+            self._not_serving.pop(worker_id, None)
         print(
             f"kvmesh: worker {worker_id} is gone ({type(reason).__name__}); routing around it",
             file=sys.stderr,
@@ -136,14 +174,14 @@ class Roster:
             self._watchdog = None
 
     def _watch(self, each_round: Callable[[], None]) -> None:
-        """Ping every live worker every WATCH_INTERVAL_S (a ping still unanswered is not
-        sent again), take back restarted ones, then run `each_round`."""
+        """Ask every live worker for its health every WATCH_INTERVAL_S (a ping still
+        unanswered is not sent again), take back restarted ones, then run `each_round`."""
         pings: dict[str, Any] = {}
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 for worker_id in self.live():
                     if worker_id not in pings:
-                        pings[worker_id] = self.handles[worker_id].process.remote()
+                        pings[worker_id] = self.handles[worker_id].health.remote()
                 if pings:
                     ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
                     done = set(ready)
@@ -160,11 +198,20 @@ class Roster:
 
     def _answered(self, worker_id: str, ping: Any) -> None:
         try:
-            ray.get(ping, timeout=0)
+            health: ServingHealth = ray.get(ping, timeout=0)
         except ray.exceptions.RayActorError as exc:
             self.lost(worker_id, exc)
+            return
         except ray.exceptions.RayError:
-            pass  # not a death: asked again next round
+            return  # not a death: asked again next round
+        if not health.serving:
+            self.stopped_serving(worker_id, f"its serving loop failed: {health.last_failure}")
+        elif health.stalled_s > STALL_S:
+            self.stopped_serving(
+                worker_id, f"queued work has waited {health.stalled_s:.0f}s for a pass"
+            )
+        else:
+            self._serving_again(worker_id)
 
     def _check_revived(self) -> None:
         """Take back dead workers that Ray restarted: each is a new incarnation with an

@@ -190,7 +190,7 @@ def _workers_table(status: Mapping[str, Any]) -> Table:
             tokens, pages = w["prompt_tokens"], w["pages"]
             table.add_row(
                 f"{node['address']} {node_id[:8]}",
-                worker_id,
+                _worker_name(worker_id, w.get("serving", {})),
                 w["address"],
                 str(w["requests"]),
                 _percent(w["hit_rate"]),
@@ -204,6 +204,15 @@ def _workers_table(status: Mapping[str, Any]) -> Table:
         error = str(workers[worker_id].get("error", ""))
         table.add_row("?", worker_id, f"not alive: {error[:80]}")
     return table
+
+
+def _worker_name(worker_id: str, serving: Mapping[str, Any]) -> str:
+    """The worker's id, marked when its serving loop does not run or has restarted."""
+    if serving.get("serving", True) is False:
+        return f"{worker_id} (not serving)"
+    if serving.get("restarts"):
+        return f"{worker_id} ({serving['restarts']} loop restarts)"
+    return worker_id
 
 
 def _engines_table(status: Mapping[str, Any]) -> Table:

@@ -10,6 +10,7 @@ value per direction, as `cache_service.messages` is for the service's wire:
                             StreamItem            each sampled token, then the output
                             WorkerInfo            info: how peers reach its pages
                             WorkerStats           stats
+                            ServingHealth         health: whether its serving loop runs
 
 Every default lives here once: the worker's convenience `generate(prompt, ...)` and the
 front door build the same `GenerateRequest`, so neither keeps a table of its own. The
@@ -28,6 +29,7 @@ from cache_service.auth import KeyPair
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.compaction.config import CompactionConfig
 from workers.serving.config import SamplingParams, SchedulerConfig
+from workers.serving.health import ServingHealth, ServingStopped
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.peers import PeerInfo
 
@@ -39,6 +41,22 @@ FINISH_REASONS = ("stop", "length", "out_of_pages")
 # Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
 # the front door's stats, pings and peer updates beside them.
 WORKER_CONCURRENCY = 256
+
+
+__all__ = [
+    "FINISH_REASONS",
+    "WORKER_CONCURRENCY",
+    "GenerateOutput",
+    "GenerateRequest",
+    "RequestStats",
+    "ServingHealth",
+    "ServingStopped",
+    "StreamItem",
+    "WorkerInfo",
+    "WorkerSettings",
+    "WorkerStats",
+    "worker_actor_name",
+]
 
 
 def worker_actor_name(worker_id: str) -> str:
@@ -200,6 +218,7 @@ class WorkerStats:
     page_server: Mapping[str, Any]
     attached: tuple[str, ...]  # peers' stores mapped here, by name
     copy: Mapping[str, Any] = field(default_factory=dict)
+    serving: Mapping[str, Any] = field(default_factory=dict)  # ServingHealth's fields
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

@@ -25,7 +25,9 @@ and the values it takes and returns are those of `workers.api`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -39,6 +41,7 @@ from workers.api import (
     GenerateOutput,
     GenerateRequest,
     RequestStats,
+    ServingHealth,
     StreamItem,
     WorkerInfo,
     WorkerSettings,
@@ -72,6 +75,8 @@ from workers.transfer.costs import (
 )
 
 __all__ = ["CacheFull", "Worker", "WorkerSettings"]
+
+log = logging.getLogger(__name__)
 
 
 class _Checked(NamedTuple):
@@ -125,6 +130,7 @@ class Worker:
         self.active = 0  # requests queued or running now
         self.requests = 0
         self._private = itertools.count(1)
+        self.copy_in_failures = 0  # copy-ins that raised: each a miss, recomputed
         self._seq_ids = itertools.count()
         layout = store_layout_for(model, settings.num_pages, settings.cache.page_tokens)
         self.member = MeshMember(
@@ -309,9 +315,20 @@ class Worker:
         local, p = allocation.cached_tokens, self.cache.page_tokens
         if local >= len(tokens) - 1:
             return local
-        matched, spans = self.member.match(seq.namespace, tokens)
-        end = min(matched, len(tokens) - 1) // p
-        copied = self.member.copy_in(allocation, tokens, seq.namespace, spans, end, self._decide)
+        try:
+            matched, spans = self.member.match(seq.namespace, tokens)
+            end = min(matched, len(tokens) - 1) // p
+            copied = self.member.copy_in(
+                allocation, tokens, seq.namespace, spans, end, self._decide
+            )
+        except Exception:
+            # Whatever went wrong, the request computes what it could not copy: a copy
+            # never fails a request, nor the serving loop that runs it. Pages half copied
+            # past `local` are computed over.
+            log.exception("%s: a copy-in failed; the request recomputes", self.worker_id)
+            with self._lock:
+                self.copy_in_failures += 1
+            return local
         return max(local, min(copied * p, len(tokens) - 1))
 
     def _decide(self, costs: CopyCosts) -> Decision:
@@ -383,6 +400,10 @@ class Worker:
         follows)."""
         return self.member.flush()
 
+    def health(self) -> ServingHealth:
+        """Whether this worker serves requests now (the front door's watchdog asks)."""
+        return self.serving.health()
+
     def load(self) -> float:
         """Requests running now (what routing weighs against cached tokens)."""
         return float(self.active)
@@ -418,7 +439,9 @@ class Worker:
                 "last": member["last_decision"],
                 "link_rates": member["link_rates"],
                 "prefill_profile": [list(p) for p in self.profile.points],
+                "failures": self.copy_in_failures,
             },
+            serving=dataclasses.asdict(self.health()),
         )
 
     def check_integrity(self) -> None:

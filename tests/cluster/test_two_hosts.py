@@ -477,7 +477,7 @@ mesh.shutdown()
 """
 
 
-def engine_figures(hosts: TwoHosts, pages: int, timeout_s: float = 60) -> dict:
+def engine_figures(hosts: TwoHosts, pages: int, timeout_s: float = 120) -> dict:
     """The engines' figures once vllm-a holds `pages` pages in the index."""
     script = hosts.logs / "engine_figures.py"
     script.write_text(ENGINE_FIGURES)

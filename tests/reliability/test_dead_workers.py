@@ -1,5 +1,6 @@
 """Dead workers degrade to misses, quickly: a killed copy source costs no request, its pages
-leave the index at once, and a cache reset reaches routing at once.
+leave the index at once, and a cache reset reaches routing at once. A worker alive but not
+serving (its serving loop failed) is routed around until its loop is back.
 
 Three workers on the tiny model. w0 computes the prompts; w1 and w2 copy them from it or
 are routed to; w0 is killed (SIGKILL, as the kernel's OOM killer would) while requests run.
@@ -53,6 +54,43 @@ def holders(client: ServiceClient, mesh, tokens: list[int], tenant: str) -> set[
     namespace = Namespace(mesh.config.model.name, "", mesh.salt(tenant))
     _, spans = client.match(namespace, tokens)
     return {span.worker_id for span in spans}
+
+
+def test_a_worker_whose_loop_failed_is_routed_around_until_it_serves_again(mesh):
+    """w1's serving loop fails once (its scheduler raises, set inside its process for this
+    test): the requests it held and those sent after run on the others, a request pinned
+    to it gets a typed error at once, and once its loop is back it is routed to again."""
+
+    def break_the_loop_once(worker, restart_delay_s: float) -> None:
+        import workers.serving.loop as loop
+
+        loop.RESTART_DELAY_S = restart_delay_s
+        scheduler, schedule = worker.scheduler, worker.scheduler.schedule
+
+        def failing():
+            scheduler.schedule = schedule
+            raise RuntimeError("injected: the scheduler broke")
+
+        scheduler.schedule = failing
+
+    prompts = [prompt(300 + i) for i in range(6)]
+    reference = [
+        mesh.generate(t, NEW_TOKENS, tenant="loop-ref", worker="w0", reuse=False).token_ids
+        for t in prompts
+    ]
+    ray.get(mesh.workers["w1"].__ray_call__.remote(break_the_loop_once, 10.0))
+    outputs = mesh.generate(prompts, NEW_TOKENS, tenant="loop")  # spread over w0, w1, w2
+    assert [out.token_ids for out in outputs] == reference
+    assert {out.stats["worker"] for out in outputs} <= {"w0", "w2"}
+    health = ray.get(mesh.workers["w1"].health.remote())
+    assert not health.serving and "the scheduler broke" in health.last_failure
+    assert "w1" in mesh.roster.not_serving() and "w1" in mesh.live_workers()
+    with pytest.raises(cluster.MeshError, match="w1.*stopped serving"):
+        mesh.generate(prompts[0], NEW_TOKENS, tenant="loop", worker="w1")
+    wait_until(lambda: "w1" in mesh.roster.routable(), 30, "w1 serving again")
+    again = mesh.generate(prompts[0], NEW_TOKENS, tenant="loop", worker="w1")
+    assert again.token_ids == reference[0]
+    assert mesh.stats()["workers"]["w1"]["serving"]["restarts"] == 1
 
 
 def test_a_cache_reset_leaves_the_index_and_routing_at_once(mesh):

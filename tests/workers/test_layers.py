@@ -73,6 +73,7 @@ FORBIDDEN = {
     "workers.api": ["ray", "torch", "transformers", "workers.member", *ABOVE_MEMBER],
     # The settings a config holds, read without torch (the modules that use them do).
     "workers.serving.config": ["torch", "ray", "zmq"],
+    "workers.serving.health": ["torch", "ray", "zmq"],
     "workers.serving.compaction.config": ["torch", "ray", "zmq"],
     "workers.store.layout": ["torch", "ray", "zmq"],
     "workers.engines.engine": ["ray", "transformers", "workers.serving", "workers.worker"],

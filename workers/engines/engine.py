@@ -32,11 +32,13 @@ from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.engines.blocks import blocks_to_pages, pages_to_blocks
 from workers.engines.enrollment import SERVICE_BACKOFF_S, Enrollment
 from workers.member import MeshMember, look_up_peer
-from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable
+from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, recover
 from workers.store.layout import StoreLayout
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 
 log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 0.5  # how often the scheduler side asks a silent service whether it is back
 
 
 class LoadSpec(NamedTuple):
@@ -243,13 +245,26 @@ class EngineIndex:
     def __init__(self, enrollment: Enrollment, block_size: int, peer_ttl_s: float = PEER_TTL_S):
         self.enrollment = enrollment
         self.block_size = block_size
+        # vLLM's scheduler loop calls `lookup`: it never waits on a probe of a service that
+        # is down (one short try, then skipped); a thread of our own probes meanwhile.
         self.client = ServiceClient(
             enrollment.endpoint,
             timeout_s=1.0,
             retries=0,
             client_keys=enrollment.keypair,
             backoff_s=SERVICE_BACKOFF_S,
+            probe=False,
         )
+        self._prober = ServiceClient(
+            enrollment.endpoint, timeout_s=1.0, retries=0, client_keys=enrollment.keypair
+        )
+        self._stop = threading.Event()
+        self._probing = threading.Thread(
+            target=self._probe,
+            name=f"kvmesh-engine-prober-{enrollment.worker_id}",
+            daemon=True,
+        )
+        self._probing.start()
         self.peers = Peers(enrollment.worker_id, lambda w: look_up_peer(self.client, w), peer_ttl_s)
 
     def lookup(
@@ -287,5 +302,16 @@ class EngineIndex:
             self.enrollment.keypair is None or peer.page_key is not None
         )
 
+    def _probe(self) -> None:
+        """While the scheduler side skips the service, ask it whether it is back."""
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            try:
+                recover(self.client, self._prober)
+            except Exception:  # the prober must outlive whatever one probe hit
+                log.exception("engine %s: probing the service failed", self.enrollment.worker_id)
+
     def close(self) -> None:
+        self._stop.set()
+        self._probing.join(5.0)
         self.client.close()
+        self._prober.close()

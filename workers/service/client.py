@@ -433,7 +433,11 @@ class ServiceClient:
                 continue
             request_id = next(self._ids)
             frame = protocol.encode(protocol.request(request_id, body), limits=self.limits)
-            socket.send(frame)
+            try:
+                socket.send(frame)
+            except zmq.Again:  # no connection took it in time (a handshake that failed)
+                self._reset()
+                continue
             reply = self._await(socket, request_id)
             if reply is not None:
                 if reply.type == protocol.ERROR:
@@ -469,6 +473,9 @@ class ServiceClient:
             return None
         socket = self._context.socket(zmq.DEALER)
         socket.linger = 0
+        # A send waits for a connection at most a try's timeout: a DEALER with no pipe (its
+        # handshake refused, say for a key the service does not know) blocks a send forever.
+        socket.sndtimeo = max(1, round(1000 * self.timeout_s))
         socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + 4096)
         if endpoint.server_key is not None:
             public, secret = self._client_keys or zmq.curve_keypair()
@@ -526,3 +533,20 @@ def ray_resolver(timeout_s: float = 5.0) -> Callable[[], ServiceEndpoint]:
         return ServiceEndpoint(info["address"], info["server_key"])
 
     return resolve
+
+
+def recover(client: ServiceClient, prober: ServiceClient) -> bool:
+    """While `client` skips the service (its breaker is open and it never probes: a
+    request must not wait on a probe), ask the service through `prober`, a client of its
+    own, off the request path; once it answers (an error reply too), `client` asks it
+    again. Returns whether `client` calls the service now."""
+    if not client.circuit_open:
+        return True
+    try:
+        prober.route(Namespace("", "", ""), b"", {})
+    except ServiceUnavailable:
+        return False
+    except ServiceError:
+        pass  # an answer all the same
+    client.reconnect()
+    return True

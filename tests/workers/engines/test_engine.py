@@ -4,6 +4,7 @@ through a real service and real shared memory, with vLLM's CPU cache layout."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import pytest
@@ -13,6 +14,8 @@ from cache_service.auth import KeyPair, MeshKeys
 from cache_service.events import Namespace, PagesStored
 from cache_service.server import ServerConfig, make_server
 from cache_service.zap import LateKeys
+from tests.waiting import wait_until
+from workers.engines import engine as engine_module
 from workers.engines.blocks import (
     blocks_to_pages,
     engine_layout,
@@ -308,3 +311,35 @@ def test_pages_that_hold_other_tokens_are_refused(engines):
     assert b.refused_pages >= 1 and b.loaded_blocks == 0
     for now, then in zip(b.layers, before, strict=True):
         assert torch.equal(now, then)  # not a byte of vLLM's blocks changed
+
+
+def test_the_scheduler_side_never_probes_a_silent_service_itself(monkeypatch):
+    """vLLM's scheduler loop calls `lookup`: with the service down, one short try opens
+    the breaker, later lookups are misses without a try of their own (the scheduler never
+    waits on a probe), and the index's own thread finds the service when it is back."""
+    monkeypatch.setattr(engine_module, "SERVICE_BACKOFF_S", 0.2)  # probes fall due often
+    server = make_server(ServerConfig(page_tokens=P))
+    server.start()
+    host, port = server.address.removeprefix("tcp://").rsplit(":", 1)
+    server.stop()  # nothing answers there now
+    enrollment = Enrollment("vllm-x", None, SECRET, ServiceEndpoint(server.address), "n", P)
+    index = EngineIndex(enrollment, BLOCK)
+    namespace = Namespace("m", "", "")
+    again = None
+    try:
+        assert index.lookup(namespace, PROMPT, 3) == (0, (), ())  # the one short try
+        assert index.client.circuit_open
+        for _ in range(30):  # past the breaker's backoffs, when probes fall due
+            assert index.lookup(namespace, PROMPT, 3) == (0, (), ())
+            time.sleep(0.1)
+        assert index.client.probes == 0  # the scheduler side never probed
+        again = make_server(ServerConfig(host=host, port=int(port), page_tokens=P))
+        again.start()
+        wait_until(lambda: not index.client.circuit_open, 20, "the prober to find the service")
+        assert index.lookup(namespace, PROMPT, 3) == (0, (), ())  # asked, and it holds nothing
+        assert index.client.stats()["workers_live"] == 0  # the scheduler side calls it again
+    finally:
+        index.close()
+        if again is not None:
+            again.stop()
+    assert not index._probing.is_alive()
