@@ -19,8 +19,11 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 TINY = """\
 model: {name: tiny}
 store: {num_pages: 64}
-workers: {count: 2, num_cpus: 1, publish_interval_s: 0.1}
+workers: {count: 2, num_cpus: 1, publish_interval_s: 0.1, copy_policy: always}
 """
+# copy_policy always: the attach below checks that a page copy between the workers works;
+# whether copying beats recomputing 40 tokens of the tiny model is a measurement that a
+# loaded machine can tip either way (tests/workers/transfer/test_costs.py checks it).
 # A front door in another process: attach, compute a prompt on w0, copy it into w1.
 ATTACH = """\
 import json, sys
@@ -98,7 +101,8 @@ def test_up_status_attach_down(operator):
     used = json.loads(attach.stdout.strip().splitlines()[-1])
     assert used["owned"] is False and used["same"] is True
     assert used["first"]["computed_tokens"] == 40
-    assert used["second"]["remote_hit_tokens"] == 32  # two pages from w0 (same node: shm)
+    # Two pages from w0 (same node: shm).
+    assert used["second"]["remote_hit_tokens"] == 32, used
 
     # The mesh outlived that front door: status shows what it did.
     status = kvmesh("status", "--json", env=env)
