@@ -138,9 +138,11 @@ class PrefillProfile:
         with self._lock:
             b = self._bucket(computed_tokens)
             old = self._correction[b]
-            self._correction[b] = (
-                ratio if self.observed[b] == 0 else ((1 - EWMA_ALPHA) * old + EWMA_ALPHA * ratio)
+            blended = (
+                ratio if self.observed[b] == 0 else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * ratio
             )
+            # Clamped again: a blend of two values at the bound can round just past it.
+            self._correction[b] = min(MAX_CORRECTION, max(1.0 / MAX_CORRECTION, blended))
             self.observed[b] += 1
 
     def corrections(self) -> list[float]:

@@ -13,6 +13,7 @@ from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_loader import tiny_llama
 from workers.transfer import costs
 from workers.transfer.costs import (
+    MAX_CORRECTION,
     CopyCosts,
     Link,
     LinkRates,
@@ -241,3 +242,16 @@ def test_the_worker_recomputes_over_a_slow_link_and_copies_over_a_fast_one(servi
     finally:
         for w in (a, b, c):
             w.shutdown()
+
+
+def test_corrections_held_at_their_bound_stay_within_it():
+    """Prefills far faster than the curve clamp its correction at 1 / MAX_CORRECTION; the
+    blend of clamped values must not round past the bound (it once gave
+    0.09999999999999999 and failed check_integrity on a loaded machine)."""
+    profile = make_profile()
+    bucket_cost = profile.seconds(16, 0)
+    profile.observe(16, 0, bucket_cost)  # the bucket's correction: 1.0
+    for _ in range(200):  # then only fast ones: the blend converges on the bound from above
+        profile.observe(16, 0, 1e-9)
+    assert min(profile.corrections()) >= 1.0 / MAX_CORRECTION
+    profile.check_integrity()
