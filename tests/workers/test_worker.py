@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.conftest import SERVICE_PAGE_TOKENS
-from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.serving.model_loader import full_prefill_logits, tiny_llama
+from tests.workers.conftest import SERVICE_PAGE_TOKENS, make_worker
+from workers.serving.model_loader import full_prefill_logits
 from workers.serving.sampling import SamplingParams
-from workers.worker import CacheFull, Worker, WorkerSettings
+from workers.worker import CacheFull, Worker
 
 P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
 
@@ -17,22 +16,7 @@ P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
 def _worker(
     service, worker_id: str, node: str, pages: int = 64, copy_policy: str = "always"
 ) -> Worker:
-    # These tests check what a copy delivers, so they copy whatever is cached. The measured
-    # policy would rightly recompute some of them: the tiny model prefills 40 tokens in
-    # less time than a loopback page-server round trip takes (tests/workers/test_costs.py
-    # checks that decision).
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        node_id=node,
-        host="127.0.0.1",
-        model="tiny",
-        num_pages=pages,
-        cache=PrefixCacheConfig(page_tokens=P),
-        service_address=service.address,
-        publish_interval_s=60.0,
-        copy_policy=copy_policy,
-    )
-    return Worker(settings, model=tiny_llama(), tokenizer=None)
+    return make_worker(service, worker_id, node, pages, copy_policy)
 
 
 @pytest.fixture

@@ -17,40 +17,21 @@ import pytest
 import torch
 
 from tests.waiting import wait_until
-from tests.workers.conftest import SERVICE_PAGE_TOKENS
+from tests.workers.conftest import make_worker
 from workers.api import ServingStopped
-from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.service.client import ServiceError
 from workers.serving import loop
-from workers.serving.model_loader import tiny_llama
 from workers.serving.sampling import SamplingParams
-from workers.worker import Worker, WorkerSettings
 
 pytestmark = pytest.mark.timeout(120)
 
-P = SERVICE_PAGE_TOKENS
 PROMPT = [(5 * i + 2) % 250 + 1 for i in range(21)]
 CALL_TIMEOUT_S = 30.0  # a request still running after this is a hang
 
 
-def make_worker(service, worker_id: str = "a") -> Worker:
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        node_id="n1",
-        host="127.0.0.1",
-        model="tiny",
-        num_pages=64,
-        cache=PrefixCacheConfig(page_tokens=P),
-        service_address=service.address,
-        publish_interval_s=60.0,
-        copy_policy="always",
-    )
-    return Worker(settings, model=tiny_llama(), tokenizer=None)
-
-
 @pytest.fixture
 def worker(service):
-    worker = make_worker(service)
+    worker = make_worker(service, "a")
     yield worker
     worker.check_integrity()
     worker.shutdown()

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from tests.workers.conftest import SERVICE_PAGE_TOKENS
+from tests.workers.conftest import SERVICE_PAGE_TOKENS, make_worker
 from tests.workers.transfer.slow_link import slow_down
-from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_loader import tiny_llama
 from workers.transfer import costs
 from workers.transfer.costs import (
@@ -22,7 +21,7 @@ from workers.transfer.costs import (
     Share,
     decide,
 )
-from workers.worker import Worker, WorkerSettings
+from workers.worker import Worker
 
 P = SERVICE_PAGE_TOKENS  # the `service` fixture's (tests/workers/conftest.py)
 
@@ -187,17 +186,7 @@ def bigger_llama():
 
 
 def _worker(service, worker_id: str) -> Worker:
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        node_id="n1",
-        host="127.0.0.1",
-        model="tiny",
-        num_pages=300,
-        cache=PrefixCacheConfig(page_tokens=P),
-        service_address=service.address,
-        publish_interval_s=60.0,
-    )
-    return Worker(settings, model=bigger_llama(), tokenizer=None)
+    return make_worker(service, worker_id, pages=300, copy_policy="measured", model=bigger_llama())
 
 
 def _path_s(out) -> float:
