@@ -21,6 +21,10 @@ in (a) over the prompt tokens of the batch (about (1,024 + 16 x 64) / (16 x 1,08
 `speedup_vs_no_sharing` is the wall time of (b) over (a); `tokens_per_s_*` the new
 tokens of each run over its wall time; `mismatches` the requests whose tokens differ
 between (a), (b) and (c).
+
+Then a copy from a slow peer beside decoding sequences (`benchmarks.slow_copy`):
+`decode_step_slowdown_during_slow_copy` is the decode step time of running sequences
+while another request copies from a slow peer, over the step time without that copy.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import slow_copy
 from cache_service.events import Namespace
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.serving.batch_runner import BatchRunner
@@ -141,6 +146,8 @@ def run(log=sys.stderr) -> dict[str, Any]:
         not (x == y == z) for x, y, z in zip(a["outputs"], b["outputs"], c["outputs"], strict=True)
     )
     batch_prompt_tokens = REQUESTS * (PREFIX_TOKENS + QUESTION_TOKENS)
+    print("a copy from a slow peer beside decoding sequences...", file=log)
+    copy_figures = slow_copy.run(model, log)
     return {
         "requests": REQUESTS,
         "prefix_tokens": PREFIX_TOKENS,
@@ -160,4 +167,5 @@ def run(log=sys.stderr) -> dict[str, Any]:
         "tokens_per_s_b": round(b["new_tokens"] / b["seconds"], 1),
         "tokens_per_s_c": round(c["new_tokens"] / c["seconds"], 1),
         "mismatches": mismatches,
+        **copy_figures,
     }

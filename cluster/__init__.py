@@ -6,10 +6,23 @@ on first use so that `kvmesh --help` does not pay for Ray and torch.
 
 from typing import Any
 
-__all__ = ["connect", "Mesh", "GenerateResult", "MeshError", "StreamChunk", "TokenStream"]
+__all__ = [
+    "connect",
+    "Mesh",
+    "GenerateResult",
+    "MeshError",
+    "DeadlineExceeded",
+    "RequestCancelled",
+    "StreamChunk",
+    "TokenStream",
+]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("DeadlineExceeded", "RequestCancelled"):
+        from cluster import errors
+
+        return getattr(errors, name)
     if name in ("StreamChunk", "TokenStream"):
         from cluster import streams
 

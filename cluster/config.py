@@ -21,6 +21,7 @@ from cache_service.addresses import check_bind_host
 from cache_service.routing import DEFAULT_POLICY
 from cache_service.routing import POLICIES as ROUTING_POLICIES
 from cache_service.server import ServerConfig
+from workers.api import DEFAULT_TIMEOUT_S, check_timeout
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.compaction.config import CompactionConfig
 from workers.serving.config import SchedulerConfig
@@ -110,15 +111,21 @@ class WorkersConfig:
     copy_policy: str = "measured"
     # Batching (`workers.serving.scheduler`): sequences running at once, tokens one forward pass
     # takes, a prompt's tokens per pass (0: as many as the pass has room for), and
-    # whether requests arriving together compute a prefix they share once.
+    # whether requests arriving together compute a prefix they share once; copy-ins
+    # run at once beside the serving thread.
     max_running: int = 32
     max_batch_tokens: int = 4096
     prefill_chunk_tokens: int = 0
     batch_sharing: bool = True
+    copy_threads: int = 2
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_running, self.max_batch_tokens, self.prefill_chunk_tokens, self.batch_sharing
+            self.max_running,
+            self.max_batch_tokens,
+            self.prefill_chunk_tokens,
+            self.batch_sharing,
+            self.copy_threads,
         )
 
     def __post_init__(self) -> None:
@@ -223,6 +230,22 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class RequestsConfig:
+    """What every request the front door sends is held to."""
+
+    # Seconds from the call to the last token; past it a request ends with DeadlineExceeded
+    # and releases what it held (a call's `timeout_s=` overrides it). Generous by default:
+    # it bounds a wait, it does not shape the service.
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        try:
+            check_timeout(self.timeout_s)
+        except ValueError as exc:
+            raise ConfigError(f"requests.{exc}") from None
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     """The whole configuration, one section per component."""
 
@@ -234,6 +257,7 @@ class KvmeshConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    requests: RequestsConfig = field(default_factory=RequestsConfig)
 
     def __post_init__(self) -> None:
         per_layer = self.compaction.budget

@@ -16,23 +16,71 @@ Every request goes through the same two steps:
 `generate` sends each worker the requests routed to it as one batch (queued together, they
 share what they have in common) and gathers the outputs in order; `stream` runs one
 request as a Ray streaming generator and yields the worker's items as they come.
+
+Every request has a deadline (its `timeout_s`, from the call): each worker call carries
+what is left of it (the worker ends the request there, with DeadlineExceeded naming the
+phase), and the front door waits for a worker no longer than that and a grace: a worker
+that has not answered by then is told to cancel, and the caller gets DeadlineExceeded. A
+stream its caller leaves (closed, or collected) is cancelled on its worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
 
 from cache_service.routing import RouteInputs, candidates_of, make_policy
-from cluster.errors import MeshError
+from cluster.errors import DeadlineExceeded, MeshError, RequestEnded
 from cluster.inflight import InFlight
 from cluster.requests import FrontRequest
 from cluster.roster import Roster
-from workers.api import GenerateOutput, ServingStopped, StreamItem
+from workers.api import GenerateOutput, GenerateRequest, ServingStopped, StreamItem
 from workers.service.client import ServiceClient, ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+# How long past a request's deadline the front door still waits for its worker's answer:
+# the worker ends the request at its deadline (at its next step, within its own grace)
+# and its DeadlineExceeded, which names the phase, is worth the wait.
+ANSWER_GRACE_S = 3.0
+
+
+class Deadline:
+    """A request's deadline, from the call."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.at = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        """Seconds left; DeadlineExceeded when none are.
+
+        Raises:
+            DeadlineExceeded: the deadline passed before the request reached a worker.
+        """
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(self.timeout_s, "queued", {"queued": self.timeout_s - left})
+        return left
+
+    def body(self, request: FrontRequest) -> GenerateRequest:
+        """What a worker gets: the request, with what is left of its deadline."""
+        return dataclasses.replace(request.body, timeout_s=self.left())
+
+    def wait_s(self) -> float:
+        """How long to wait for a worker's next answer."""
+        return max(0.0, self.at - time.monotonic()) + ANSWER_GRACE_S
+
+    def unanswered(self, worker: str) -> DeadlineExceeded:
+        error = DeadlineExceeded(self.timeout_s, "unanswered", {})
+        error.args = (f"{error.args[0]} (worker {worker!r} did not answer in time)",)
+        return error
 
 
 class Attempt:
@@ -150,6 +198,7 @@ class Dispatcher:
         """
         outputs: list[GenerateOutput | None] = [None] * len(requests)
         pending = dict(enumerate(requests))
+        deadline = Deadline(max(request.body.timeout_s for request in requests))
         while pending:
             with contextlib.ExitStack() as running:
                 by_worker: dict[str, list[int]] = {}
@@ -158,16 +207,39 @@ class Dispatcher:
                     by_worker.setdefault(chosen, []).append(i)
                 calls = {
                     chosen: self.handle(chosen).generate_batch.remote(
-                        [pending[i].body for i in indexes]
+                        [deadline.body(pending[i]) for i in indexes]
                     )
                     for chosen, indexes in by_worker.items()
                 }
                 for chosen, call in calls.items():
+                    ids = [pending[i].body.request_id for i in by_worker[chosen]]
                     with self.failover(chosen, pinned=worker is not None):
-                        for i, output in zip(by_worker[chosen], ray.get(call), strict=True):
+                        answer = self._answer(call, chosen, ids, deadline)
+                        for i, output in zip(by_worker[chosen], answer, strict=True):
                             outputs[i] = output
                             del pending[i]
         return outputs
+
+    def _answer(self, call: Any, worker: str, ids: list[str], deadline: Deadline) -> Any:
+        """A worker call's answer, waited for until the deadline and its grace.
+
+        Raises:
+            DeadlineExceeded: the worker ended the requests at their deadline, or did not
+                answer by then (they are cancelled there).
+            RequestEnded: the worker ended them otherwise (as the worker raised it).
+        """
+        ready, _ = ray.wait([call], timeout=deadline.wait_s())
+        if not ready:
+            self.cancel(worker, ids)
+            raise deadline.unanswered(worker)
+        return _get(call)
+
+    def cancel(self, worker: str, ids: list[str]) -> None:
+        """Tell a worker to end these requests (their callers left); nothing waits."""
+        try:
+            self.handle(worker).cancel.remote(ids)
+        except Exception:  # a worker gone cannot hold them either
+            log.debug("could not cancel %s on %s", ids, worker, exc_info=True)
 
     def stream(self, request: FrontRequest, worker: str | None = None) -> Iterator[StreamItem]:
         """The worker's stream items as they come: each sampled token, then the output.
@@ -178,19 +250,48 @@ class Dispatcher:
             MeshError: no live worker is left, the named `worker` died, or the worker
                 died after handing tokens over.
         """
+        deadline = Deadline(request.body.timeout_s)
         while True:
             with (
                 self.placed(request, worker) as chosen,
                 self.failover(chosen, pinned=worker is not None) as attempt,
             ):
-                items = self.handle(chosen).stream.options(num_returns="streaming")
-                for ref in items.remote(request.body):
-                    item = ray.get(ref)
-                    yield item
-                    if item.last:
-                        return
-                    attempt.started = True
+                call = self.handle(chosen).stream.options(num_returns="streaming")
+                items = call.remote(deadline.body(request))
+                try:
+                    while True:
+                        ready, _ = ray.wait([items], timeout=deadline.wait_s())
+                        if not ready:
+                            raise deadline.unanswered(chosen)
+                        item = _get(self._next(items))
+                        yield item
+                        if item.last:
+                            return
+                        attempt.started = True
+                except (ray.exceptions.RayActorError, ServingStopped):
+                    raise  # nothing left there to cancel
+                except BaseException:  # a deadline, or the caller left (GeneratorExit)
+                    self.cancel(chosen, [request.body.request_id])
+                    raise
+
+    @staticmethod
+    def _next(items: Any) -> Any:
+        """The next item's reference of a worker's stream (its end is an error: a stream
+        ends with its output)."""
+        try:
+            return next(items)
+        except StopIteration:
+            raise MeshError("a worker's stream ended without its output") from None
 
     def handle(self, worker_id: str) -> Any:
         """The actor handle of a worker."""
         return self.roster.handles[worker_id]
+
+
+def _get(ref: Any) -> Any:
+    """A worker call's value; a request the worker ended raises its own error (Ray's
+    wrapper of it is one too, with the worker's traceback: the caller gets the cause)."""
+    try:
+        return ray.get(ref)
+    except RequestEnded as exc:
+        raise getattr(exc, "cause", None) or exc from None

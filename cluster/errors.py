@@ -1,8 +1,24 @@
-"""The errors the front door, the launcher and the placement raise for the user to act on."""
+"""The errors the front door, the launcher and the placement raise for the user to act on
+(those a request ends with are `workers.errors`', re-exported here)."""
 
+from workers.errors import (
+    DeadlineExceeded,
+    KvmeshError,
+    RequestCancelled,
+    RequestEnded,
+    ServingStopped,
+)
 
-class KvmeshError(RuntimeError):
-    """Something asked of a mesh cannot be done; the message says why and what to do."""
+__all__ = [
+    "DeadlineExceeded",
+    "KvmeshError",
+    "LaunchError",
+    "MeshError",
+    "PlacementError",
+    "RequestCancelled",
+    "RequestEnded",
+    "ServingStopped",
+]
 
 
 class PlacementError(KvmeshError):

@@ -288,6 +288,7 @@ class Mesh:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        timeout_s: float | None = None,
     ) -> GenerateResult | list[GenerateResult]:
         """Generate from a prompt on the worker that should take it: the one whose cached
         and copyable prefix, against its load, gets the first token out soonest.
@@ -311,6 +312,8 @@ class Mesh:
             seed: the same seed gives the same tokens, whatever the cache supplied.
             stop_token_ids: more tokens that end generation.
             ignore_eos: generate past the end-of-sequence tokens (to max_new_tokens).
+            timeout_s: the deadline, in seconds from this call to the last token (None:
+                the config's `requests.timeout_s`, 600 s by default).
         Returns:
             GenerateResult(token_ids, text, stats, logits, finish_reason) (a list of them
             for a list of prompts): finish_reason "stop" or "length"; stats include
@@ -323,6 +326,8 @@ class Mesh:
                 settings, an unknown worker, or a tenant name that cannot be encoded.
                 Nothing is held or routed then.
             MeshError: no live worker is left, or the worker named by `worker` is dead.
+            DeadlineExceeded: the deadline passed (the error names the phase the request
+                was in and where its time went); it released everything it held.
         """
         start = time.perf_counter()
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -338,6 +343,7 @@ class Mesh:
                 stop_token_ids,
                 ignore_eos,
                 return_logits,
+                timeout_s,
             )
             for p in (prompt if many else [prompt])
         ]
@@ -359,6 +365,7 @@ class Mesh:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        timeout_s: float | None = None,
     ) -> TokenStream:
         """`generate`, with the tokens handed over as they are decoded.
 
@@ -369,11 +376,22 @@ class Mesh:
 
         Same arguments, checks and errors as `generate` (raised here, before anything
         runs). A routed request whose worker dies before its first token runs again on a
-        live worker; after it, the stream raises MeshError.
+        live worker; after it, the stream raises MeshError. Leaving the loop early,
+        `stream.close()` or dropping the stream cancels the request on its worker (its
+        pages are freed); the deadline (`timeout_s`) runs from this call to the last
+        token.
         """
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         request = self._request(
-            prompt, max_new_tokens, tenant, worker, reuse, sampling, stop_token_ids, ignore_eos
+            prompt,
+            max_new_tokens,
+            tenant,
+            worker,
+            reuse,
+            sampling,
+            stop_token_ids,
+            ignore_eos,
+            timeout_s=timeout_s,
         )
         return TokenStream(self.dispatcher.stream(request, worker), self.tokenizer, result_of)
 
@@ -414,6 +432,7 @@ class Mesh:
         stop_token_ids,
         ignore_eos,
         return_logits=False,
+        timeout_s=None,
     ) -> FrontRequest:
         """Check everything a worker would, before anything is routed or held."""
         if self._closed:
@@ -434,6 +453,7 @@ class Mesh:
             reuse,
             ignore_eos,
             return_logits,
+            self.config.requests.timeout_s if timeout_s is None else timeout_s,
         )
         self._name_tenant(tenant, salt)
         return request

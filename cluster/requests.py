@@ -12,12 +12,13 @@ caller saw it).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from cache_service.events import Namespace
 from cache_service.protocol import Limits
-from workers.api import GenerateOutput, GenerateRequest
+from workers.api import DEFAULT_TIMEOUT_S, GenerateOutput, GenerateRequest
 from workers.serving.config import SamplingParams
 from workers.serving.models import model_shape
 from workers.serving.requests import check_max_new_tokens, check_tokens, prompt_tokens
@@ -54,13 +55,16 @@ def check_request(
     reuse: bool,
     ignore_eos: bool,
     return_logits: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> FrontRequest:
-    """A request checked against everything a worker would check.
+    """A request checked against everything a worker would check, with an id of its own
+    (by which the front door cancels it on its worker).
 
     Raises:
         ValueError: an empty prompt, token ids outside the vocabulary, max_new_tokens
             not an int >= 1 or past the context window, stop tokens outside the
-            vocabulary, or flags that are not bools.
+            vocabulary, flags that are not bools, or a timeout that is not a positive
+            number of seconds.
     """
     if not tokens:
         raise ValueError("empty prompt")
@@ -77,6 +81,8 @@ def check_request(
         stop_token_ids=tuple(stops),
         ignore_eos=ignore_eos,
         return_logits=return_logits,
+        timeout_s=timeout_s,
+        request_id=uuid.uuid4().hex,
     )
     return FrontRequest(Namespace(model, "", salt), body)
 

@@ -9,6 +9,7 @@ keeps the whole result for when the stream ends.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -28,7 +29,9 @@ class TokenStream:
     """The tokens of one generation as they are decoded; iterate it once.
 
     `result` is the GenerateResult (finish reason, stats) once the iteration ended, None
-    before. Leaving the loop early stops reading; the worker finishes the generation.
+    before. Leaving the loop early, `close()`, leaving a `with` block or dropping the
+    stream cancels the generation on its worker, which frees its pages within a pass or
+    two (pages it had published stay cached).
 
     Args:
         items: the worker's stream items (`Dispatcher.stream`).
@@ -53,11 +56,31 @@ class TokenStream:
             raise RuntimeError("a TokenStream is iterated once")
         self._started = True
         text = _Detokenizer(self._tokenizer)
-        for item in self._items:
-            if item.last:
-                self.result = self._to_result(item.output)
-                return
-            yield StreamChunk(item.token_id, text.add(item.token_id))
+        try:
+            for item in self._items:
+                if item.last:
+                    self.result = self._to_result(item.output)
+                    return
+                yield StreamChunk(item.token_id, text.add(item.token_id))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the generation if it has not ended (idempotent)."""
+        items = self.__dict__.pop("_items", None)
+        if items is not None and hasattr(items, "close"):
+            items.close()
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # An interpreter shutting down may have lost Ray already: nothing to cancel then.
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class _Detokenizer:

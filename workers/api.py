@@ -5,6 +5,7 @@ value per direction, as `cache_service.messages` is for the service's wire:
 
     front door -> worker    WorkerSettings        the actor's constructor argument
                             GenerateRequest       generate_batch / stream
+                            request ids           cancel (a stream its caller left)
                             WorkerInfo            set_peers (the mesh's members)
     worker -> front door    GenerateOutput        a request's tokens, text and RequestStats
                             StreamItem            each sampled token, then the output
@@ -27,9 +28,10 @@ from typing import Any
 
 from cache_service.auth import KeyPair
 from workers.cache.prefix_cache import PrefixCacheConfig
+from workers.errors import DeadlineExceeded, RequestCancelled, RequestEnded, ServingStopped
 from workers.serving.compaction.config import CompactionConfig
 from workers.serving.config import SamplingParams, SchedulerConfig
-from workers.serving.health import ServingHealth, ServingStopped
+from workers.serving.health import ServingHealth
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.peers import PeerInfo
 
@@ -38,12 +40,20 @@ WorkerInfo = PeerInfo
 
 FINISH_REASONS = ("stop", "length", "out_of_pages")
 
+# How long a request may take, from the call to its last token, unless its caller says
+# (`requests.timeout_s`): a generous bound, there so that no request can wait forever.
+DEFAULT_TIMEOUT_S = 600.0
+
 # Calls a worker actor runs at once: its requests in flight (queued in its scheduler) and
 # the front door's stats, pings and peer updates beside them.
 WORKER_CONCURRENCY = 256
 
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DeadlineExceeded",
+    "RequestCancelled",
+    "RequestEnded",
     "FINISH_REASONS",
     "WORKER_CONCURRENCY",
     "GenerateOutput",
@@ -55,6 +65,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerSettings",
     "WorkerStats",
+    "check_timeout",
     "worker_actor_name",
 ]
 
@@ -115,6 +126,9 @@ class GenerateRequest:
         stop_token_ids: more tokens that end generation (returned with it).
         ignore_eos: do not stop at the model's end-of-sequence tokens.
         return_logits: also return the last prompt position's logits.
+        timeout_s: its deadline, in seconds from its arrival at the worker (the front door
+            sends what is left of the caller's); past it, it ends with DeadlineExceeded.
+        request_id: the caller's name for it, by which `cancel` ends it ("": none).
     """
 
     tokens: tuple[int, ...]
@@ -126,18 +140,36 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    request_id: str = ""
 
     def __post_init__(self) -> None:
+        check_timeout(self.timeout_s)
         for name in ("reuse", "ignore_eos", "return_logits"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("salt", "adapter"):
+        for name in ("salt", "adapter", "request_id"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a str, got {getattr(self, name)!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {self.sampling!r}")
         object.__setattr__(self, "tokens", tuple(self.tokens))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+def check_timeout(timeout_s: Any) -> float:
+    """A request's timeout as given (a positive, finite number of seconds).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not 0 < timeout_s < float("inf")
+    ):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,10 @@ import torch
 
 from cache_service.events import Namespace
 from workers.api import (
+    DeadlineExceeded,
     GenerateOutput,
     GenerateRequest,
+    RequestCancelled,
     RequestStats,
     ServingHealth,
     StreamItem,
@@ -77,6 +79,10 @@ from workers.transfer.costs import (
 __all__ = ["CacheFull", "Worker", "WorkerSettings"]
 
 log = logging.getLogger(__name__)
+
+# How long past a request's deadline its caller waits for the serving loop to end it (it
+# does at its next step) before ending it itself: a pass that hangs holds up the loop.
+DEADLINE_GRACE_S = 1.0
 
 
 class _Checked(NamedTuple):
@@ -132,6 +138,7 @@ class Worker:
         self._private = itertools.count(1)
         self.copy_in_failures = 0  # copy-ins that raised: each a miss, recomputed
         self._seq_ids = itertools.count()
+        self._by_id: dict[str, Seq] = {}  # requests in flight by their callers' ids
         layout = store_layout_for(model, settings.num_pages, settings.cache.page_tokens)
         self.member = MeshMember(
             membership(settings), layout, settings.cache, load=self._load_figures, active=self.load
@@ -212,6 +219,7 @@ class Worker:
         sampled: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._sequence(request, sampled.put)
         outcome: dict[str, Any] = {}
+        # A consumer that leaves (the generator closed or collected) cancels the request.
 
         def serve() -> None:
             try:
@@ -223,12 +231,34 @@ class Worker:
 
         thread = threading.Thread(target=serve, name=f"kvmesh-stream-{self.worker_id}")
         thread.start()
-        while (token := sampled.get()) is not None:
-            yield StreamItem(token_id=token)
+        read_all = False
+        try:
+            while (token := sampled.get()) is not None:
+                yield StreamItem(token_id=token)
+            read_all = True
+        finally:
+            if not read_all:  # the consumer left before the end
+                seq.end(RequestCancelled("the stream's consumer left"))
+                self.serving.scheduler.wake()
         thread.join()
         if "error" in outcome:
             raise outcome["error"]
         yield StreamItem(output=outcome["output"])
+
+    def cancel(self, request_ids: Iterable[str]) -> int:
+        """End the requests in flight with these ids (their callers left): each fails
+        with RequestCancelled within a pass or two, its pages released. Ids not in
+        flight (ended already, or never here) are ignored. Returns how many were found."""
+        found = 0
+        for request_id in request_ids:
+            with self._lock:
+                seq = self._by_id.get(request_id)
+            if seq is not None:
+                seq.end(RequestCancelled(f"request {request_id!r} was cancelled by its caller"))
+                found += 1
+        if found:
+            self.serving.scheduler.wake()
+        return found
 
     def _check(self, request: GenerateRequest) -> _Checked:
         """Check a request against this worker's model before anything is held."""
@@ -260,25 +290,47 @@ class Worker:
             request.reuse,
             on_token,
             request.return_logits,
+            request.timeout_s,
+            request_id=request.request_id,
         )
 
     def _run(self, sequences: list[Seq]) -> list[GenerateOutput]:
-        """Queue sequences together and wait for all of them."""
+        """Queue sequences together and wait for all of them, each until its deadline
+        (the serving loop ends it there; past a grace, its caller ends it here)."""
+        named = {seq.request_id: seq for seq in sequences if seq.request_id}
         with self._lock:
             self.active += len(sequences)
+            self._by_id.update(named)
         try:
             self.serving.submit(sequences)
             for seq in sequences:
-                seq.done.wait()
+                self._wait(seq)
         finally:
             with self._lock:
                 self.active -= len(sequences)
                 self.requests += len(sequences)
+                for request_id in named:
+                    self._by_id.pop(request_id, None)
         self.member.publisher.nudge()  # the new pages go to the service off the request path
         for seq in sequences:
             if seq.error is not None:
                 raise seq.error
         return [self._output(seq) for seq in sequences]
+
+    def _wait(self, seq: Seq) -> None:
+        """Wait for a sequence until its deadline and a grace; a serving loop that did not
+        end it by then is held up (a pass that hangs): it ends here, and the loop
+        releases its pages when it comes back."""
+        wait_s = seq.deadline + DEADLINE_GRACE_S - time.perf_counter()
+        if seq.done.wait(max(0.0, wait_s)):
+            return
+        error = seq.overdue(time.perf_counter()) or DeadlineExceeded(
+            seq.timeout_s, seq.current_phase, seq.spent(time.perf_counter())
+        )
+        seq.end(error)
+        if not seq.done.is_set():
+            seq.error = error
+            seq.done.set()
 
     def _output(self, seq: Seq) -> GenerateOutput:
         local, remote = seq.hits
@@ -425,6 +477,7 @@ class Worker:
                 **self.scheduler.load(),
                 "steps": self.scheduler.steps,
                 "preemptions": self.scheduler.preemptions,
+                "ended_early": self.scheduler.ended,
                 "compaction_policy": self.settings.compaction.policy,
                 "compactions": self.scheduler.compactions,
                 "compacted_pages_freed": self.scheduler.compacted_pages_freed,

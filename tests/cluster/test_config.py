@@ -29,9 +29,11 @@ def test_empty_mapping_gives_defaults():
         ({"cache": {"page_tokn": 16}}, "unknown key 'cache.page_tokn'"),
         (
             {"modle": {}},
-            "unknown key 'modle'; known: cache, compaction, model, routing, security, service, "
-            "store, workers",
+            "unknown key 'modle'; known: cache, compaction, model, requests, routing, security, "
+            "service, store, workers",
         ),
+        ({"requests": {"timeout_s": 0}}, "requests.timeout_s must be a positive number"),
+        ({"requests": {"timeout_s": ".5"}}, "requests.timeout_s must be float, got '.5'"),
         ({"cache": {"page_tokens": "16"}}, "cache.page_tokens must be int, got '16'"),
         ({"cache": {"page_tokens": True}}, "cache.page_tokens must be int"),
         ({"cache": {"page_tokens": 0}}, "page_tokens must be positive, got 0"),

@@ -1,6 +1,7 @@
 """Dead workers degrade to misses, quickly: a killed copy source costs no request, its pages
 leave the index at once, and a cache reset reaches routing at once. A worker alive but not
-serving (its serving loop failed) is routed around until its loop is back.
+serving (its serving loop failed) is routed around until its loop is back. A request
+past its deadline, or whose caller left, ends on its worker and frees its pages.
 
 Three workers on the tiny model. w0 computes the prompts; w1 and w2 copy them from it or
 are routed to; w0 is killed (SIGKILL, as the kernel's OOM killer would) while requests run.
@@ -91,6 +92,66 @@ def test_a_worker_whose_loop_failed_is_routed_around_until_it_serves_again(mesh)
     again = mesh.generate(prompts[0], NEW_TOKENS, tenant="loop", worker="w1")
     assert again.token_ids == reference[0]
     assert mesh.stats()["workers"]["w1"]["serving"]["restarts"] == 1
+
+
+def slow_passes(worker, seconds: float) -> None:
+    """Each forward pass of `worker` takes `seconds` more (0: as before), set inside its
+    process for the test."""
+    runner = worker.batch_runner
+    forward = getattr(runner, "unslowed", runner.forward)
+    if not seconds:
+        runner.forward = forward
+        return
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    runner.unslowed, runner.forward = forward, slowed
+
+
+def w1_figures(mesh) -> tuple[int, int]:
+    """w1's pages held by requests, and its requests ended early."""
+    return ray.get(
+        mesh.workers["w1"].__ray_call__.remote(
+            lambda w: (w.cache.pages_referenced(), w.scheduler.ended)
+        )
+    )
+
+
+def test_a_deadline_ends_the_request_with_a_typed_error_and_frees_its_pages(mesh):
+    ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0.02))
+    try:
+        _, ended = w1_figures(mesh)
+        start = time.monotonic()
+        with pytest.raises(cluster.DeadlineExceeded) as info:
+            mesh.generate(prompt(400), 200, worker="w1", ignore_eos=True, timeout_s=1.0)
+        assert time.monotonic() - start < 1.0 + 3.0  # the deadline and the answer's grace
+        error = info.value
+        assert type(error) is cluster.DeadlineExceeded  # the worker's own, not Ray's wrapper
+        assert error.phase == "decode" and error.spent["decode"] > 0, error
+        wait_until(lambda: w1_figures(mesh) == (0, ended + 1), 10, "w1 to free its pages")
+        with pytest.raises(ValueError, match="timeout_s must be a positive"):
+            mesh.generate(prompt(400), 4, timeout_s=0)
+    finally:
+        ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0))
+
+
+def test_a_stream_its_caller_leaves_is_cancelled_on_its_worker(mesh):
+    ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0.02))
+    try:
+        _, ended = w1_figures(mesh)
+        stream = mesh.stream(prompt(401), 200, worker="w1", ignore_eos=True)
+        for i, _chunk in enumerate(stream):
+            if i == 2:
+                break  # the caller leaves
+        del stream, _chunk
+        wait_until(lambda: w1_figures(mesh) == (0, ended + 1), 10, "w1 to cancel the stream")
+        with mesh.stream(prompt(402), 200, worker="w1", ignore_eos=True) as stream:
+            next(iter(stream))
+        wait_until(lambda: w1_figures(mesh) == (0, ended + 2), 10, "w1 to cancel the second")
+    finally:
+        ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0))
 
 
 def test_a_cache_reset_leaves_the_index_and_routing_at_once(mesh):

@@ -46,3 +46,12 @@ def make_worker(
         copy_policy=copy_policy,
     )
     return Worker(settings, model=model if model is not None else tiny_llama(), tokenizer=None)
+
+
+@pytest.fixture
+def worker(service):
+    """Worker "a" on `service` (the tiny model), checked and shut down after the test."""
+    worker = make_worker(service, "a")
+    yield worker
+    worker.check_integrity()
+    worker.shutdown()

@@ -74,6 +74,8 @@ FORBIDDEN = {
     # The settings a config holds, read without torch (the modules that use them do).
     "workers.serving.config": ["torch", "ray", "zmq"],
     "workers.serving.health": ["torch", "ray", "zmq"],
+    # What a request ends with, read by the front door, the API and the engine alike.
+    "workers.errors": ["torch", "numpy", "ray", "zmq", "workers.serving", "workers.member"],
     "workers.serving.compaction.config": ["torch", "ray", "zmq"],
     "workers.store.layout": ["torch", "ray", "zmq"],
     "workers.engines.engine": ["ray", "transformers", "workers.serving", "workers.worker"],

@@ -27,8 +27,13 @@ class SchedulerConfig:
     # Requests that arrive together compute a prefix they share once (off: each computes
     # its whole prompt, as engines without same-batch sharing do).
     batch_sharing: bool = True
+    # Copy-ins run at once, each on a thread of its own beside the serving thread: a copy
+    # waits on the service and on peers, and the sequences running meanwhile go on.
+    copy_threads: int = 2
 
     def __post_init__(self) -> None:
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_batch_tokens < self.max_running:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.errors import ServingStopped
 
-class ServingStopped(RuntimeError):
-    """The worker is not serving: its serving loop stopped or failed (the front door routes
-    the request elsewhere when nothing of it was handed over yet)."""
+__all__ = ["ServingHealth", "ServingStopped"]
 
 
 @dataclass(frozen=True)

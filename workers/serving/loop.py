@@ -36,6 +36,9 @@ from workers.serving.sequence import Phase, Sequence
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.2  # how long the thread sleeps on an empty queue before looking again
+# With work held but none runnable (copies in flight, pages short), how long before looking
+# again without being woken (an arrival or a landed copy wakes it at once).
+_NOTHING_TO_RUN_WAIT_S = 0.01
 # A loop that fails is started again after a pause (a failure it hit again at once would
 # otherwise spin), at most MAX_RESTARTS times within RESTART_WINDOW_S: a loop that keeps
 # failing has a cause a restart does not cure, and a worker refusing at once is better
@@ -95,6 +98,7 @@ class ServingLoop:
         self._stop.set()
         self.scheduler.wake()
         self._thread.join(timeout_s)
+        self.scheduler.close()
 
     @property
     def alive(self) -> bool:
@@ -166,7 +170,8 @@ class ServingLoop:
                 continue
             step = self.scheduler.schedule()
             if not step.chunks:
-                time.sleep(0.001)  # everything waits on pages or siblings: let them come
+                # Everything waits on pages, copies or siblings: until one arrives or lands.
+                self.scheduler.wait_for_change(_NOTHING_TO_RUN_WAIT_S)
                 continue
             self._pass(step)
 

@@ -24,6 +24,16 @@ once the pages held by running sequences pass the high-water mark, the longest s
 in decode are compacted by the configured policy (their private pages packed, the rest
 freed) until the share is back under it, before anything would be preempted.
 
+A newly admitted sequence whose prompt peers hold further than this worker does is copied
+in on a copy thread (`copy_in`, `SchedulerConfig.copy_threads` at once) while the passes go
+on without it: it sits in COPYING, holding its pages (never preempted meanwhile), and
+joins the prefills at the first step after its copy landed.
+
+Every step first ends the sequences whose deadline passed or whose caller cancelled them
+(`Sequence.end`): they fail with their error and release their pages (those published
+stay cached); one still copying is answered at once and releases its pages when its copy
+returns.
+
 Decode takes one more page whenever a sequence crosses a page boundary. When none is left
 even after eviction, the newest running sequence is preempted: its pages are released
 (private ones freed) and it waits to be admitted again, its prompt and the tokens it
@@ -38,9 +48,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from workers.cache.prefix_cache import PrefixCache
+from workers.errors import RequestEnded
 from workers.serving.batch_runner import Chunk
 from workers.serving.compaction import Compactor
 from workers.serving.config import SchedulerConfig
@@ -69,9 +81,10 @@ class Scheduler:
     Args:
         cache: the worker's local prefix cache (pages come from it).
         config: the pass's limits.
-        copy_in: called for each newly admitted sequence that reuses: copies what peers
-            hold beyond the local prefix into its pages and returns where computing
-            starts (None: nothing is copied).
+        copy_in: called for each newly admitted sequence that reuses, on a copy thread:
+            copies what peers hold beyond the local prefix into its pages and returns
+            where computing starts (None: nothing is copied). It must not raise (a copy
+            that cannot be made is a miss); if it does, the sequence computes it all.
         on_admit: called with each sequence at its first admission, its hits known.
         on_finish: called with each sequence that finished or failed, after its pages
             were published and released.
@@ -99,8 +112,10 @@ class Scheduler:
         self._waiting: deque[list[Sequence]] = deque()  # arrival groups, oldest first
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
+        self._copies = ThreadPoolExecutor(self.config.copy_threads, "kvmesh-copy")
         self.preemptions = 0
         self.steps = 0
+        self.ended = 0  # sequences ended early: deadlines passed, callers cancelled
         self.compactions = 0
         self.compacted_pages_freed = 0
 
@@ -136,15 +151,23 @@ class Scheduler:
         queued = sum(len(seq.to_compute) for seq in waiting)
         for seq in running:
             allocation = seq.allocation
-            if seq.phase is Phase.PREFILL and allocation is not None:
+            if seq.phase in (Phase.COPYING, Phase.PREFILL) and allocation is not None:
                 queued += max(0, len(allocation.tokens) - seq.computed)
         return {"running": len(running), "waiting": len(waiting), "queued_tokens": queued}
 
     # -- on the serving thread ---------------------------------------------------------
 
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a sequence to arrive or a copy to land (nothing could
+        run in the last step)."""
+        with self._lock:
+            self._arrived.wait(timeout_s)
+
     def schedule(self) -> Step:
         """The next forward pass (empty when nothing can run now)."""
         self.steps += 1
+        self._end_overdue()
+        self._land_copies()
         self._compact_under_pressure()
         step = Step([], [])
         budget = self.config.max_batch_tokens
@@ -177,10 +200,34 @@ class Scheduler:
         self._retire(seq)
 
     def fail(self, seq: Sequence, error: BaseException) -> None:
-        """`seq` cannot go on: release its pages and hand its caller `error`."""
+        """`seq` cannot go on: release its pages and hand its caller `error`. A sequence
+        still copying is answered now; its pages are released when its copy returns (the
+        copy thread writes into them until then)."""
         seq.error = error
+        if seq.copying is not None:
+            seq.end(error if isinstance(error, RequestEnded) else RequestEnded(str(error)))
+            seq.done.set()
+            return
         seq.finish("error")
         self._retire(seq)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop copying (the serving loop stopped): wait up to `timeout_s` for the copies
+        in flight, then release the pages of the sequences they were for."""
+        self._copies.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout_s
+        for seq in [s for s in self.running if s.copying is not None]:
+            try:
+                seq.copying.result(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                log.warning("sequence %d: its copy did not end; its pages stay held", seq.seq_id)
+                continue
+            seq.copying = None
+            self.running.remove(seq)
+            seq.finish("error")
+            seq.allocation, allocation = None, seq.allocation
+            allocation.release()
+            seq.done.set()
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every running and waiting sequence (the serving loop stops)."""
@@ -193,7 +240,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         for seq in self.running:
-            assert seq.phase in (Phase.PREFILL, Phase.DECODE), f"{seq.seq_id} runs as {seq.phase}"
+            assert seq.phase in (Phase.COPYING, Phase.PREFILL, Phase.DECODE), (
+                f"{seq.seq_id} runs as {seq.phase}"
+            )
+            assert (seq.phase is Phase.COPYING) == (seq.copying is not None), seq.seq_id
             assert seq.allocation is not None and not seq.allocation.released
             assert 0 <= seq.computed <= len(seq.tokens), (seq.computed, len(seq.tokens))
             if seq.kv is not None:
@@ -204,6 +254,58 @@ class Scheduler:
                     assert seq.phase is Phase.WAITING and seq.allocation is None
 
     # -- internals ---------------------------------------------------------------------
+
+    def _end_overdue(self) -> None:
+        """Fail the sequences that were cancelled or whose deadline passed."""
+        now = time.perf_counter()
+        with self._lock:
+            waiting = [seq for group in self._waiting for seq in group]
+        for seq in [*self.running, *waiting]:
+            if seq.phase is Phase.FINISHED or (seq.copying is not None and seq.done.is_set()):
+                continue  # answered already (a copy still to return)
+            error = seq.ending or seq.overdue(now)
+            if error is None:
+                continue
+            self.ended += 1
+            if seq.phase is Phase.WAITING:
+                with self._lock:
+                    self._unqueue(seq)
+            self.fail(seq, error)
+
+    def _unqueue(self, seq: Sequence) -> None:
+        """Take a waiting sequence out of its group (the lock held)."""
+        for group in self._waiting:
+            if seq in group:
+                group.remove(seq)
+                if not group:
+                    self._waiting.remove(group)
+                return
+
+    def _land_copies(self) -> None:
+        """Sequences whose copy returned join the prefills (or, answered meanwhile,
+        release their pages)."""
+        for seq in [s for s in self.running if s.copying is not None and s.copying.done()]:
+            future, seq.copying = seq.copying, None
+            if seq.done.is_set():  # ended while copying: its caller has its error
+                seq.finish("error")
+                self._retire(seq)
+                continue
+            try:
+                copied_to = future.result()
+            except Exception:
+                log.exception("sequence %d: its copy-in raised; it computes it all", seq.seq_id)
+                copied_to = seq.computed
+            seq.phase = Phase.PREFILL
+            self._admitted(seq, seq.allocation.cached_tokens, copied_to)
+
+    def _copy(self, seq: Sequence) -> int:
+        """A sequence's copy-in, on a copy thread; wakes the serving thread when done."""
+        start = time.perf_counter()
+        try:
+            return self._copy_in(seq)
+        finally:
+            seq.copy_s = time.perf_counter() - start
+            self.wake()
 
     def _prefill(self, step: Step, budget: int, sequences: list[Sequence] | None = None) -> int:
         """Add prefill chunks of `sequences` (default: every running one in prefill)."""
@@ -259,7 +361,10 @@ class Scheduler:
         """A page slot for the sequence's newest token, preempting the newest running
         sequences if need be; False when `seq` itself was preempted or finished."""
         while not seq.allocation.extend(seq.output[-1:]):
-            victim = max(self.running, key=lambda s: s.seq_id)
+            # A sequence being copied into keeps its pages until its copy returns.
+            victim = max(
+                (s for s in self.running if s.phase is not Phase.COPYING), key=lambda s: s.seq_id
+            )
             if victim is seq and len(self.running) == 1:
                 self.finish(seq, "out_of_pages")
                 return False
@@ -353,26 +458,30 @@ class Scheduler:
         seq.phase = Phase.PREFILL
         seq.depends_on = deps
         seq.ready_from = compute_from if deps else 0
+        seq.computed = compute_from
+        self.running.append(seq)
+        if seq.hits is not None:  # admitted again after a preemption
+            seq.recomputed += len(seq.tokens) - seq.computed
+            return
+        seq.admitted_at = time.perf_counter()
         local = allocation.cached_tokens
         if deps:
             # Pages a sibling computes are not hits: they are computed, once.
             local = min(local, min(dep_start(seq, dep) for dep in deps))
-        seq.computed = compute_from
-        if seq.hits is None:  # the first admission: what it reused, once and for all
-            seq.admitted_at = time.perf_counter()
-            copied_to = local
-            if seq.reuse and self._copy_in is not None and not deps:
-                start = time.perf_counter()
-                copied_to = self._copy_in(seq)
-                seq.copy_s = time.perf_counter() - start
-                seq.computed = max(seq.computed, copied_to)
-            seq.hits = (local, copied_to - local)
-            seq.batch_shared = compute_from - local if deps else 0
-            if self._on_admit is not None:
-                self._on_admit(seq)
-        else:
-            seq.recomputed += len(seq.tokens) - seq.computed
-        self.running.append(seq)
+        if seq.reuse and self._copy_in is not None and not deps:
+            seq.phase = Phase.COPYING
+            seq.copying = self._copies.submit(self._copy, seq)
+            return
+        self._admitted(seq, local, local)
+
+    def _admitted(self, seq: Sequence, local: int, copied_to: int) -> None:
+        """The first admission is complete (copies landed): what it reused, once and for
+        all."""
+        seq.computed = max(seq.computed, copied_to)
+        seq.hits = (local, copied_to - local)
+        seq.batch_shared = seq.ready_from - local if seq.depends_on else 0
+        if self._on_admit is not None:
+            self._on_admit(seq)
 
     def _retire(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -384,7 +493,8 @@ class Scheduler:
         seq.kv = None
         if allocation is not None:
             try:
-                if seq.reuse and seq.error is None:
+                # A request ended early computed right KV as far as it got: kept.
+                if seq.reuse and (seq.error is None or isinstance(seq.error, RequestEnded)):
                     allocation.publish(seq.computed)
             finally:
                 allocation.release()

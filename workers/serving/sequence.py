@@ -1,6 +1,9 @@
 """A request as the worker's scheduler follows it: its tokens, pages, progress and result.
 
-A sequence goes WAITING -> PREFILL -> DECODE -> FINISHED. Preempted (its pages taken for
+A sequence goes WAITING -> [COPYING ->] PREFILL -> DECODE -> FINISHED: COPYING while
+pages its peers hold are copied into it, off the serving thread (the others keep running).
+It can end in any phase: its deadline passed or its caller cancelled it (`end`), then
+the scheduler fails it at its next step and releases what it held. Preempted (its pages taken for
 older sequences), it goes back to WAITING with the tokens it generated so far, and its
 prompt and those tokens are computed again when it is admitted next; what it reported
 as reused at its first admission stays as it was (recomputed tokens are never hits).
@@ -14,15 +17,18 @@ as reused at its first admission stays as it was (recomputed tokens are never hi
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cache_service.events import Namespace
+from workers.errors import PHASES, DeadlineExceeded, RequestEnded
 from workers.serving.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued, holding no pages
+    COPYING = "copying"  # admitted, pages held, its peers' pages being copied in
     PREFILL = "prefill"  # admitted: pages held, tokens [computed, len(tokens)) to run
     DECODE = "decode"  # its last sampled token runs next
     FINISHED = "finished"
@@ -52,6 +59,8 @@ class Sequence:
         on_token: called with each sampled token as soon as it is sampled (streaming);
             it runs on the scheduler's thread and should only hand the token on.
         return_logits: keep the logits after the prompt's last token.
+        timeout_s: its deadline, in seconds from its arrival (inf: none).
+        request_id: its caller's name for it ("": none), to cancel it by.
     """
 
     seq_id: int
@@ -63,6 +72,8 @@ class Sequence:
     reuse: bool = True
     on_token: Callable[[int], None] | None = None
     return_logits: bool = False
+    timeout_s: float = math.inf
+    request_id: str = ""
     arrived: float = field(default_factory=time.perf_counter)
 
     phase: Phase = Phase.WAITING
@@ -83,11 +94,52 @@ class Sequence:
     admitted_at: float | None = None  # first admission
     first_token_at: float | None = None
     copy_s: float = 0.0
+    copying: Future | None = None  # its copy-in, while in COPYING
+    # Set from any thread to end it early (a cancellation, or its caller gave up on its
+    # deadline); the scheduler fails it with this at its next step.
+    ending: RequestEnded | None = None
     prefill_s: float = 0.0  # wall time of the passes that ran its prefill chunks
     finish_reason: str | None = None
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def deadline(self) -> float:
+        """When it must have ended (time.perf_counter's clock)."""
+        return self.arrived + self.timeout_s
+
+    def end(self, error: RequestEnded) -> None:
+        """Ask the scheduler to end it with `error` at its next step (any thread)."""
+        if self.ending is None:
+            self.ending = error
+
+    def overdue(self, now: float) -> DeadlineExceeded | None:
+        """The error it ends with if its deadline passed by `now`, else None."""
+        if now < self.deadline:
+            return None
+        return DeadlineExceeded(self.timeout_s, self.current_phase, self.spent(now))
+
+    @property
+    def current_phase(self) -> str:
+        """Which of PHASES it is in now."""
+        if self.phase is Phase.COPYING:
+            return "copying"
+        if self.admitted_at is None:
+            return "queued"
+        return "prefill" if self.first_token_at is None else "decode"
+
+    def spent(self, now: float) -> dict[str, float]:
+        """Seconds spent in each phase so far (those it reached)."""
+        admitted = self.admitted_at if self.admitted_at is not None else now
+        copied = admitted + (self.copy_s or (now - admitted if self.copying else 0.0))
+        first = self.first_token_at if self.first_token_at is not None else now
+        ends = {"queued": admitted, "copying": copied, "prefill": max(copied, first), "decode": now}
+        spent, start = {}, self.arrived
+        for name in PHASES[: PHASES.index(self.current_phase) + 1]:
+            spent[name] = max(0.0, ends[name] - start)
+            start = ends[name]
+        return spent
 
     @property
     def tokens(self) -> list[int]:
@@ -113,11 +165,6 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.phase = Phase.FINISHED
         self.finish_reason = reason
-
-    def fail(self, error: BaseException) -> None:
-        self.phase = Phase.FINISHED
-        self.error = error
-        self.done.set()
 
     def result(self, timeout_s: float | None = None) -> Any:
         """Wait until finished; raises what the scheduler failed it with."""

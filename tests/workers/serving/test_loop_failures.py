@@ -8,7 +8,6 @@ the worker. A request that hangs is a failure: every call here runs under a dead
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.waiting import wait_until
+from tests.waiting import call, wait_until
 from tests.workers.conftest import make_worker
 from workers.api import ServingStopped
 from workers.service.client import ServiceError
@@ -26,27 +25,6 @@ from workers.serving.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = [(5 * i + 2) % 250 + 1 for i in range(21)]
-CALL_TIMEOUT_S = 30.0  # a request still running after this is a hang
-
-
-@pytest.fixture
-def worker(service):
-    worker = make_worker(service, "a")
-    yield worker
-    worker.check_integrity()
-    worker.shutdown()
-
-
-def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a thread of its own, failing the test if it hangs."""
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(fn, *args, **kwargs)
-    try:
-        return future.result(timeout=CALL_TIMEOUT_S)
-    except concurrent.futures.TimeoutError:
-        pytest.fail(f"{getattr(fn, '__name__', fn)} did not end in {CALL_TIMEOUT_S:g}s")
-    finally:
-        pool.shutdown(wait=False)  # a hung call's thread is left behind (the leak check sees it)
 
 
 def once(real: Callable[..., Any], fault: Callable[..., Any]) -> Callable[..., Any]:
