@@ -86,6 +86,12 @@ class WorkerReport(NamedTuple):
     prefill_ns: int
     copy_ns_same_node: int
     copy_ns_remote: int
+    # Its health: whether its serving loop runs now (1) or failed (0: it refuses requests
+    # until the loop is back), how often the loop was restarted, and requests ended early.
+    serving: int
+    loop_restarts: int
+    deadline_exceeded: int  # requests that passed their deadline there
+    cancelled: int  # requests their callers left (streams closed or abandoned)
 
 
 # The report's load fields: what routing weighs (`cache_service.routing`).
@@ -97,6 +103,9 @@ LOAD_FIELDS = (
     "copy_ns_same_node",
     "copy_ns_remote",
 )
+# The report's health fields (a worker without a serving loop of its own reports serving).
+HEALTH_FIELDS = ("serving", "loop_restarts", "deadline_exceeded", "cancelled")
+HEALTHY = {"serving": 1, "loop_restarts": 0, "deadline_exceeded": 0, "cancelled": 0}
 
 
 def no_observations(bounds: Sequence[float]) -> Observed:
@@ -117,6 +126,7 @@ EMPTY_REPORT = WorkerReport(
     ttft_miss=no_observations(TTFT_BUCKETS),
     alignment_lost_tokens=0,
     **dict.fromkeys(LOAD_FIELDS, 0),
+    **HEALTHY,
 )
 
 

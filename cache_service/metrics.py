@@ -94,6 +94,9 @@ class WorkerFiguresRow(NamedTuple):
     copy_bytes: Mapping[str, int]  # kind ("same_node", "remote") -> bytes
     requests: Mapping[str, int] = {}  # "running" / "waiting" -> sequences now
     alignment_lost_tokens: int = 0  # cached tokens rounded off by chunk alignment
+    serving: int = 1  # 1: its serving loop runs; 0: it failed (refusing requests)
+    loop_restarts: int = 0
+    ended: Mapping[str, int] = {}  # "deadline" / "cancelled" -> requests ended early
 
 
 class MetricsSnapshot(NamedTuple):
@@ -142,6 +145,9 @@ def snapshot_from(
             },
             requests={"running": report.running, "waiting": report.waiting},
             alignment_lost_tokens=report.alignment_lost_tokens,
+            serving=report.serving,
+            loop_restarts=report.loop_restarts,
+            ended={"deadline": report.deadline_exceeded, "cancelled": report.cancelled},
         )
         for worker_id, report, live in rows
     }
@@ -302,18 +308,38 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
         "match down to a chunk boundary.",
         labels=["worker"],
     )
+    serving = GaugeMetricFamily(
+        "kvmesh_worker_serving",
+        "1 while a live worker's serving loop runs; 0 while it failed (the worker refuses "
+        "requests and the front door routes around it).",
+        labels=["worker"],
+    )
+    restarts = CounterMetricFamily(
+        "kvmesh_serving_loop_restarts",
+        "Times a worker's serving loop failed and was started again.",
+        labels=["worker"],
+    )
+    ended = CounterMetricFamily(
+        "kvmesh_requests_ended",
+        "Requests a worker ended early: deadline (passed it) or cancelled (the caller left).",
+        labels=["reason", "worker"],
+    )
     for worker, row in sorted(workers.items()):
         if row.live:
             for state, count in row.pages.items():
                 pages.add_metric([state, worker], count)
             running.add_metric([worker], row.requests.get("running", 0))
             waiting.add_metric([worker], row.requests.get("waiting", 0))
+            serving.add_metric([worker], row.serving)
         for reason, count in sorted(row.evictions.items()):
             evictions.add_metric([reason, worker], count)
         for kind, count in row.copy_bytes.items():
             copied.add_metric([kind, worker], count)
         aligned.add_metric([worker], row.alignment_lost_tokens)
-    yield from (pages, evictions, copied, running, waiting, aligned)
+        restarts.add_metric([worker], row.loop_restarts)
+        for reason, count in sorted(row.ended.items()):
+            ended.add_metric([reason, worker], count)
+    yield from (pages, evictions, copied, running, waiting, aligned, serving, restarts, ended)
 
 
 def _query_families(label: str, tallies: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:

@@ -417,7 +417,7 @@ class Worker:
     def _load_figures(self) -> dict[str, int]:
         """The load and measured costs the heartbeat carries (for routing): nanoseconds
         to compute a prompt token (this machine's prefill curve, 512 tokens after 512)
-        and to copy one token's KV (the links' probes)."""
+        and to copy one token's KV (the links' probes); and its health (for the metrics)."""
         token_bytes = self.store.layout.page_bytes / self.cache.page_tokens
         prefill_s = self.profile.seconds(512, 512) / 512
         probe = self.member.links.probe
@@ -427,7 +427,15 @@ class Worker:
             "copy_ns_same_node": 1e9 * token_bytes / probe[False].bytes_per_s,
             "copy_ns_remote": 1e9 * token_bytes / probe[True].bytes_per_s,
         }
-        return {name: max(1, round(value)) if value else 0 for name, value in figures.items()}
+        figures = {name: max(1, round(value)) if value else 0 for name, value in figures.items()}
+        health = self.serving.health()
+        return {
+            **figures,
+            "serving": int(health.serving),
+            "loop_restarts": health.restarts,
+            "deadline_exceeded": self.scheduler.ended_by["deadline"],
+            "cancelled": self.scheduler.ended_by["cancelled"],
+        }
 
     # ------------------------------------------------------------------ the mesh
 
@@ -477,7 +485,7 @@ class Worker:
                 **self.scheduler.load(),
                 "steps": self.scheduler.steps,
                 "preemptions": self.scheduler.preemptions,
-                "ended_early": self.scheduler.ended,
+                "ended_early": dict(self.scheduler.ended_by),
                 "compaction_policy": self.settings.compaction.policy,
                 "compactions": self.scheduler.compactions,
                 "compacted_pages_freed": self.scheduler.compacted_pages_freed,

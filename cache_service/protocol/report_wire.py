@@ -18,6 +18,7 @@ from typing import Any
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    HEALTH_FIELDS,
     LOAD_FIELDS,
     TTFT_BUCKETS,
     Observed,
@@ -38,6 +39,7 @@ _SCALARS = (
     "copy_bytes_remote",
     "alignment_lost_tokens",
     *LOAD_FIELDS,
+    *HEALTH_FIELDS,
 )
 _HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
 

@@ -26,7 +26,7 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
 # tokens pending on each worker (routing estimates each worker's time to first token).
 # 7: ROUTE names the routing policy.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Request types, then the two reply types.
 REGISTER = "register"

@@ -215,9 +215,14 @@ def test_workers_reports_become_the_mesh_metrics():
             tenants=(TenantTokens("salt-acme", 3, 32, 16, 48), TenantTokens("salt-x", 1, 0, 0, 8)),
             ttft_hit=ttft(0, 2, total=0.03),
             ttft_miss=ttft(0, 0, 0, 0, 1, total=0.2),
+            deadline_exceeded=2,
+            cancelled=5,
         )
         w1._report = lambda: EMPTY_REPORT._replace(
-            pages_free=64, tenants=(TenantTokens("salt-acme", 1, 0, 8, 0),)
+            pages_free=64,
+            tenants=(TenantTokens("salt-acme", 1, 0, 8, 0),),
+            serving=0,
+            loop_restarts=1,
         )
         assert w0.heartbeat() and w1.heartbeat()
         rig.server.publish_metrics()
@@ -241,6 +246,13 @@ def test_workers_reports_become_the_mesh_metrics():
         assert got[("kvmesh_pages", (("state", "free"), ("worker", "w1")))] == 64
         assert got[("kvmesh_evictions_total", (("reason", "evicted"), ("worker", "w0")))] == 6
         assert got[("kvmesh_copy_bytes_total", (("kind", "same_node"), ("worker", "w0")))] == 4096
+        assert got[("kvmesh_worker_serving", (("worker", "w0"),))] == 1
+        assert got[("kvmesh_worker_serving", (("worker", "w1"),))] == 0  # its loop failed
+        assert got[("kvmesh_serving_loop_restarts_total", (("worker", "w1"),))] == 1
+        ended = {"deadline": 2, "cancelled": 5}
+        for reason, count in ended.items():
+            labels = (("reason", reason), ("worker", "w0"))
+            assert got[("kvmesh_requests_ended_total", labels)] == count
         assert got[("kvmesh_ttft_seconds_count", (("cache", "hit"),))] == 2
         assert got[("kvmesh_ttft_seconds_bucket", (("cache", "hit"), ("le", "0.025")))] == 2
         assert got[("kvmesh_ttft_seconds_count", (("cache", "miss"),))] == 1

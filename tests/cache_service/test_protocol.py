@@ -342,7 +342,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 7  # 7: ROUTE names the routing policy
+    assert PROTOCOL_VERSION == 8  # 8: a WorkerReport carries the worker's health
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -1288,7 +1288,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=4), BAD_VERSION),  # the version before peer entries
         (raw_frame(MATCH, {}, v=5), BAD_VERSION),  # the version before load reports
         (raw_frame(MATCH, {}, v=6), BAD_VERSION),  # the version before routing policies
-        (raw_frame(MATCH, {}, v=8), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=7), BAD_VERSION),  # the version before health in reports
+        (raw_frame(MATCH, {}, v=9), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

@@ -18,6 +18,8 @@ from typing import Any
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    HEALTH_FIELDS,
+    HEALTHY,
     LOAD_FIELDS,
     TTFT_BUCKETS,
     TenantTokens,
@@ -99,7 +101,8 @@ class WorkerFigures:
     ) -> WorkerReport:
         """The report for the service, with the page counts of `cache_stats` (the prefix
         cache's `stats()`) and the worker's load and measured costs (`load`: the
-        report's running, waiting, queued_tokens and *_ns fields; absent: 0, unknown)."""
+        report's running, waiting, queued_tokens and *_ns fields, absent: 0, unknown; and
+        its health fields, absent: healthy)."""
         load = dict(load or {})
         evictions = dict(cache_stats["evictions"])
         if len(evictions) > MAX_REPORT_REASONS:  # reasons come from our code: never so many
@@ -121,4 +124,5 @@ class WorkerFigures:
                 ttft_miss=self._ttft["miss"].observed(),
                 alignment_lost_tokens=cache_stats.get("alignment_lost_tokens", 0),
                 **{name: int(load.get(name, 0)) for name in LOAD_FIELDS},
+                **{name: int(load.get(name, HEALTHY[name])) for name in HEALTH_FIELDS},
             )

@@ -46,13 +46,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from workers.cache.prefix_cache import PrefixCache
-from workers.errors import RequestEnded
+from workers.errors import RequestCancelled, RequestEnded
 from workers.serving.batch_runner import Chunk
 from workers.serving.compaction import Compactor
 from workers.serving.config import SchedulerConfig
@@ -115,9 +115,15 @@ class Scheduler:
         self._copies = ThreadPoolExecutor(self.config.copy_threads, "kvmesh-copy")
         self.preemptions = 0
         self.steps = 0
-        self.ended = 0  # sequences ended early: deadlines passed, callers cancelled
+        # Sequences ended early, by why: "deadline" (passed it), "cancelled" (caller left).
+        self.ended_by: Counter[str] = Counter()
         self.compactions = 0
         self.compacted_pages_freed = 0
+
+    @property
+    def ended(self) -> int:
+        """Sequences ended early (a deadline passed, or their caller cancelled them)."""
+        return sum(self.ended_by.values())
 
     # -- from any thread ---------------------------------------------------------------
 
@@ -266,7 +272,7 @@ class Scheduler:
             error = seq.ending or seq.overdue(now)
             if error is None:
                 continue
-            self.ended += 1
+            self.ended_by["cancelled" if isinstance(error, RequestCancelled) else "deadline"] += 1
             if seq.phase is Phase.WAITING:
                 with self._lock:
                     self._unqueue(seq)
