@@ -18,7 +18,7 @@ import pytest
 from benchmarks.faults import heal, slow_passes, slow_peer
 from tests.waiting import call, wait_until
 from tests.workers.conftest import make_worker
-from workers.api import DeadlineExceeded, GenerateRequest, RequestCancelled
+from workers.api import DeadlineExceeded, GenerateRequest, RequestCancelled, ServingStopped
 from workers.serving.config import SchedulerConfig
 from workers.serving.sequence import Phase
 
@@ -185,6 +185,26 @@ def test_a_slow_copy_does_not_hold_up_the_sequences_running(pair):
     copying.join(30)
     running.join(60)
     wait_until(lambda: no_pages_held(copier), 10, "every page released")
+
+
+def test_a_worker_stopped_during_a_copy_releases_its_pages_when_the_copy_returns(pair):
+    holder, copier, expected = pair
+    slow = slow_peer(copier, 1.0)
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            copier.generate(PROMPT, 4)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: slow and slow[0].in_flight.is_set(), 10, "the copy to start")
+    copier.serving.stop()
+    thread.join(10)
+    assert isinstance(outcome.get("error"), ServingStopped), outcome
+    assert slow[0].returned.is_set() and no_pages_held(copier)
 
 
 def test_set_peers_racing_copy_ins_never_fails_a_request(pair):

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from workers.cache.prefix_cache import PrefixCache
-from workers.errors import RequestCancelled, RequestEnded
+from workers.errors import RequestCancelled, RequestEnded, ServingStopped
 from workers.serving.batch_runner import Chunk
 from workers.serving.compaction import Compactor
 from workers.serving.config import SchedulerConfig
@@ -223,13 +223,17 @@ class Scheduler:
         self._copies.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout_s
         for seq in [s for s in self.running if s.copying is not None]:
-            try:
-                seq.copying.result(max(0.0, deadline - time.monotonic()))
-            except Exception:
-                log.warning("sequence %d: its copy did not end; its pages stay held", seq.seq_id)
-                continue
+            # A copy cancelled before it started never touched the pages.
+            if not seq.copying.cancelled():
+                try:
+                    seq.copying.exception(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    log.warning("sequence %d: its copy did not end; pages held", seq.seq_id)
+                    continue
             seq.copying = None
             self.running.remove(seq)
+            if seq.error is None:
+                seq.error = ServingStopped("this worker stopped serving during the copy")
             seq.finish("error")
             seq.allocation, allocation = None, seq.allocation
             allocation.release()
