@@ -46,9 +46,10 @@ from workers.service.client import ServiceClient, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 # How long past a request's deadline the front door still waits for its worker's answer:
-# the worker ends the request at its deadline (at its next step, within its own grace)
-# and its DeadlineExceeded, which names the phase, is worth the wait.
-ANSWER_GRACE_S = 3.0
+# the worker ends the request at its deadline (at its next step, or past its own grace,
+# workers.worker.DEADLINE_GRACE_S) and its DeadlineExceeded, which names the phase, is
+# worth a short wait; every request still ends within a second of its deadline.
+ANSWER_GRACE_S = 0.75
 
 
 class Deadline:

@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 # How long past a request's deadline its caller waits for the serving loop to end it (it
 # does at its next step) before ending it itself: a pass that hangs holds up the loop.
-DEADLINE_GRACE_S = 1.0
+DEADLINE_GRACE_S = 0.25
 
 
 class _Checked(NamedTuple):
