@@ -2,9 +2,10 @@
 
 A simulated two-node Ray cluster (two nodes of 2 CPUs, both this machine) runs the service
 and three workers on the tiny model (so time goes to the cache path, not to compute), with
-`workers.max_restarts: -1`. Three client threads send routed requests in a loop: four
-shared prefixes (64 to 128 tokens) x twelve suffixes, two tenants. Before anything else,
-the no-cache reference of every prompt the workload can send is computed (`reuse=False`:
+`workers.max_restarts: -1`, and a default deadline of REQUEST_TIMEOUT_S (`requests.timeout_s`)
+for every request. Three client threads send routed requests in a loop: four shared
+prefixes (64 to 128 tokens) x twelve suffixes, two tenants. Before anything else, the
+no-cache reference of every prompt the workload can send is computed (`reuse=False`:
 greedy, so identical prompts give identical token ids), and every output is compared
 with it.
 
@@ -46,7 +47,43 @@ The faults:
   over the size limit, a stranger's key), and the service must answer a good request
   after them.
 
-`faults` counts them by kind, with the outage phase's own `service_pause` and restart.
+Faults inside a worker, installed in its process by `benchmarks.faults` (on a live worker
+drawn at random):
+
+- pass_failure: its next forward pass raises (`failing_passes`): the sequences of that
+  pass fail with the injected error, the loop goes on.
+- loop_failure: its scheduler raises once (`loop_failure`): the serving loop dies, fails
+  what it held with ServingStopped (the front door routes those requests elsewhere) and
+  starts again after a second. At most one a worker within the loop's restart window,
+  so that no loop stays down for good.
+- nan_logits: its next forward pass returns NaN logits: sampling fails those sequences.
+- slow_peer: every page source it opens waits SLOW_PEER_S per fetch (its copy-ins are
+  slow, off the serving thread); healed at the next fault.
+- slow_service: the service answers each of its matches SLOW_SERVICE_S late (slow, not
+  dead); healed at the next fault.
+
+And requests of the chaos' own, beside the workload:
+
+- abandoned_streams: one or two streams of a workload prompt with ABANDONED_TOKENS to
+  decode (`ignore_eos`), pinned to a live worker that serves, are read for a chunk or two
+  and closed. The worker must end each with RequestCancelled (`cancelled_requests`) and, once
+  CANCEL_WAIT_S and two more of its passes went by, no sequence it cancelled may hold a
+  page (`pages_held_by_cancelled`).
+- short_deadline: a routed request with SHORT_DEADLINE_S to decode SHORT_DEADLINE_TOKENS:
+  it should end with DeadlineExceeded (`short_deadline_exceeded`; finishing in time is
+  fine too), and by its deadline plus HUNG_GRACE_S.
+
+`faults` counts them by kind, with the outage phase's own `service_pause` and restart;
+`loop_failures_injected` is its loop_failure count.
+
+Every failed request is explained by an injected fault (its error names it: "injected:",
+"logits hold NaN", or a worker that stopped serving after an injected loop failure), by
+a deadline (DeadlineExceeded) or by a cancellation (RequestCancelled), or by nothing:
+`failed_requests` counts those (the target is 0), `errors` shows a few of them, and
+`explained_failures` counts the others by what explains them. `deadline_exceeded` counts
+the workload's requests (all with the default deadline) that passed it (target 0), and
+`hung_requests` the requests that ended later than their deadline plus HUNG_GRACE_S, or
+never (client threads still in a request at the end): target 0.
 
 At the end (every request done), each live worker's pages must be free or cached
 (`leaked_pages`: total - free - cached, over the workers), the index must hold what the
@@ -65,7 +102,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -75,17 +112,20 @@ import zmq
 from ray.cluster_utils import Cluster
 
 import cluster
+from benchmarks import faults as worker_faults
 from cache_service import protocol
 from cache_service.actor import RAY_NAMESPACE, get_service
 from cache_service.events import Namespace
 from cache_service.messages import ApplyResult, GetStats, Match, PublishEvents
 from cache_service.protocol import PROTOCOL_VERSION
 from cluster.config import config_from_dict
+from cluster.errors import DeadlineExceeded, RequestCancelled
 from workers.service.client import ServiceClient, ServiceUnavailable, ray_resolver
 
 DEFAULT_SECONDS = 50.0
 SECONDS_ENV = "KVMESH_CHAOS_SECONDS"  # the default duration, for short runs (tests)
 WORKERS = 3
+REQUEST_TIMEOUT_S = 30.0  # the mesh's default deadline: far past what any request needs
 CONFIG = {
     "model": {"name": "tiny"},
     # 256 pages a worker: fewer than the workload's prompts need, so pages are evicted.
@@ -98,6 +138,7 @@ CONFIG = {
         "publish_interval_s": 0.2,
         "copy_policy": "always",
     },
+    "requests": {"timeout_s": REQUEST_TIMEOUT_S},
 }
 PREFIX_LENGTHS = (64, 80, 100, 128)  # 100: a prefix that ends inside a page
 SUFFIXES = 12  # per prefix
@@ -114,8 +155,37 @@ FAULT_WEIGHTS = {
     "event_drop": 2,
     "worker_forgotten": 1,
     "malformed": 2,
+    "pass_failure": 1,
+    "loop_failure": 1,
+    "nan_logits": 1,
+    "slow_peer": 1,
+    "slow_service": 1,
+    "abandoned_streams": 2,
+    "short_deadline": 2,
 }
-CHAOS_OVERRUN_S = 45.0  # how long chaos may outlast its share to meet every kind once
+# How long chaos may outlast its share to meet every kind once: twelve kinds, a gap of up
+# to FAULT_GAP_S before each, and the waits some of them need (the service back, replies).
+CHAOS_OVERRUN_S = 75.0
+SLOW_PEER_S = 2.0  # a slowed peer's wait per fetch
+SLOW_SERVICE_S = 1.5  # a slowed service's wait per match
+# A loop failure per worker within the serving loop's restart window at most: a loop that
+# fails more often than it may restart stays down, and the worker with it.
+LOOP_FAILURE_SPACING_S = 60.0
+# An abandoned stream's tokens to decode: far more than it decodes before it is closed
+# (prompt and all within the tiny model's 1024 positions).
+ABANDONED_TOKENS = 800
+CANCEL_WAIT_S = 0.5  # after the streams closed, before asking the worker what they hold
+CANCEL_PASSES = 2  # and the worker's passes after that (a cancellation ends in one or two)
+SHORT_DEADLINE_S = 0.05
+SHORT_DEADLINE_TOKENS = 400  # far more than SHORT_DEADLINE_S decodes
+HUNG_GRACE_S = 1.0  # a request that ends later than its deadline and this is hung
+# What explains a failed request, by a piece of its error (the first that matches).
+INJECTED_ERRORS = (
+    ("injected: a forward pass failed", "pass_failure"),
+    ("logits hold NaN", "nan_logits"),
+    ("injected: the serving loop failed", "loop_failure"),
+    ("injected:", "injected"),
+)
 RECOVERY_TIMEOUT_S = 120.0
 OUTAGE_S = 4.0  # the service stopped this long
 UP_S = 3.0  # the same requests measured with the service up, just before
@@ -140,6 +210,7 @@ class Record(NamedTuple):
     local_tokens: int
     correct: bool
     error: str  # "" when it succeeded
+    cause: str  # what explains its error (`explain`): "" when it succeeded or nothing does
 
 
 class Probe(NamedTuple):
@@ -193,11 +264,18 @@ def run(duration_s: float | None = None, seed: int = 0, log=sys.stderr) -> dict[
 def _run_phases(mesh, duration_s: float, seed: int, started: float, log) -> dict[str, Any]:
     workload = Workload(mesh, seed, started, log)
     workload.compute_references()
-    chaos = Chaos(mesh, random.Random(seed), log)
+    chaos = Chaos(mesh, workload, random.Random(seed), log)
     try:
         figures = _under_load(mesh, workload, chaos, duration_s, log)
         figures.update(_measure_outage(mesh, workload, chaos, log))
-        return {**workload.summary(), **chaos.summary(), **_end_state(mesh, log), **figures}
+        ended = _outcomes(workload, chaos)
+        return {
+            **workload.summary(),
+            **chaos.summary(),
+            **ended,
+            **_end_state(mesh, log),
+            **figures,
+        }
     finally:
         chaos.client.close()
 
@@ -210,7 +288,7 @@ def _under_load(mesh, workload: Workload, chaos: Chaos, duration_s: float, log) 
         before = workload.hit_rate("warmup")
         print(f"hit rate before the faults: {before:.3f}", file=log)
         workload.phase = "chaos"
-        chaos.run(PHASES["chaos"] * duration_s, workload)
+        chaos.run(PHASES["chaos"] * duration_s)
         workload.phase = "recovery"
         recovery_s = _await_recovery(mesh, chaos.client, log)
         workload.enter("recovered", PHASES["recovery"] * duration_s)
@@ -244,6 +322,8 @@ class Workload:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.stuck = 0  # client threads still in a request when the workload stopped
+        # Set once a loop failure was injected: a worker that stopped serving is explained.
+        self.loop_failed = threading.Event()
 
     def compute_references(self) -> None:
         """The output of every prompt with nothing reused (the workers take turns)."""
@@ -287,12 +367,12 @@ class Workload:
     def request(self, prompt: int, tenant: str, phase: str, worker: str | None = None) -> Record:
         """Send one request (routed, unless `worker` is given) and keep its record (never
         raises)."""
-        start, error = time.monotonic(), ""
+        start, error, cause = time.monotonic(), "", ""
         try:
             out = self.mesh.generate(self.prompts[prompt], NEW_TOKENS, tenant, worker=worker)
-        except Exception as exc:  # a failed request is a finding, counted
-            error = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"request failed: {error}", file=self.log)
+        except Exception as exc:  # a failed request is counted, and a finding unless explained
+            error, cause = _error_text(exc), explain(exc, self.loop_failed.is_set())
+            print(f"request failed ({cause or 'unexplained'}): {error}", file=self.log)
             out = None
         seconds = time.monotonic() - start
         stats = out.stats if out is not None else {}
@@ -308,6 +388,7 @@ class Workload:
             local_tokens=stats.get("local_hit_tokens", 0),
             correct=out is not None and out.token_ids == self.references[prompt],
             error=error,
+            cause=cause,
         )
         if out is not None and not record.correct:
             print(f"wrong output for prompt {prompt} on {record.worker}", file=self.log)
@@ -324,15 +405,59 @@ class Workload:
         return sum(r.hit_tokens for r in tail) / max(1, sum(r.prompt_tokens for r in tail))
 
     def summary(self) -> dict[str, Any]:
-        errors = [r.error for r in self.records if r.error]
+        """The workload's figures (its requests all have the mesh's default deadline)."""
+        failed = [r for r in self.records if r.error]
         return {
             "requests": len(self.records),
-            "failed_requests": len(errors),
             "wrong_outputs": sum(1 for r in self.records if not r.error and not r.correct),
+            "deadline_exceeded": sum(1 for r in failed if r.cause == "deadline"),
             "requests_during_chaos": sum(1 for r in self.records if r.phase == "chaos"),
             "stuck_clients": self.stuck,
-            "errors": sorted(set(errors))[:5],
+            "max_request_s": round(max((r.seconds for r in self.records), default=0.0), 3),
         }
+
+
+def explain(exc: BaseException, loop_failed: bool) -> str:
+    """What explains a request's error: "deadline" (DeadlineExceeded), "cancelled"
+    (RequestCancelled), the kind of the injected fault its error names (INJECTED_ERRORS),
+    "loop_failure" for a worker that stopped serving once a loop failure was injected
+    (`loop_failed`), or "" when nothing does: a finding."""
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, RequestCancelled):
+        return "cancelled"
+    text = f"{type(exc).__name__}: {exc}"
+    for piece, kind in INJECTED_ERRORS:
+        if piece in text:
+            return kind
+    if loop_failed and ("ServingStopped" in text or "stopped serving" in text):
+        return "loop_failure"
+    return ""
+
+
+def _error_text(exc: BaseException) -> str:
+    """An error in a line: a Ray task error's own last line is its cause (the worker's
+    traceback comes before it)."""
+    text = str(exc).strip()
+    if isinstance(exc, ray.exceptions.RayError) and text:
+        text = text.splitlines()[-1].strip()
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _outcomes(workload: Workload, chaos: Chaos) -> dict[str, Any]:
+    """How every request ended, the workload's and the chaos' own: the failures nothing
+    explains (`failed_requests`, `errors`: the findings), those explained, by what, and
+    the requests that ended past their deadline and HUNG_GRACE_S, or never."""
+    failures = [(r.cause, r.error) for r in workload.records if r.error] + chaos.failures
+    unexplained = [error for cause, error in failures if not cause]
+    late = workload.mesh.config.requests.timeout_s + HUNG_GRACE_S
+    hung = sum(1 for r in workload.records if r.seconds > late)
+    return {
+        "failed_requests": len(unexplained),
+        "hung_requests": hung + workload.stuck + chaos.late,
+        "explained_failures": dict(sorted(Counter(c for c, _ in failures if c).items())),
+        "errors": sorted(set(unexplained))[:5],
+    }
 
 
 def _prompts(rng: random.Random) -> list[list[int]]:
@@ -352,11 +477,21 @@ def _prompts(rng: random.Random) -> list[list[int]]:
 class Chaos:
     """Injects the faults (see the module docstring) and counts them."""
 
-    def __init__(self, mesh, rng: random.Random, log):
+    def __init__(self, mesh, workload: Workload, rng: random.Random, log):
         self.mesh = mesh
+        self.workload = workload
         self.rng = rng
         self.log = log
         self.faults: Counter[str] = Counter()
+        self.failures: list[tuple[str, str]] = []  # (cause, error) of its own requests
+        self.late = 0  # its own requests that ended past their deadline and HUNG_GRACE_S
+        self.cancelled = 0  # abandoned streams their worker ended with RequestCancelled
+        self.not_cancelled = 0  # abandoned streams it did not (finished, or still running)
+        self.held_by_cancelled = 0  # pages cancelled sequences held after a pass or two
+        self.short: Counter[str] = Counter()  # short-deadline requests: exceeded / completed
+        self.short_max_s = 0.0
+        self._slowed: set[str] = set()  # workers with a slow fault, healed at the next
+        self._loop_failed_at: dict[str, float] = {}  # worker -> its last loop failure
         self.malformed: Counter[str] = Counter()  # answered / dropped / unexpected
         self.codes: Counter[str] = Counter()  # the error codes of the replies
         self.unexpected: list[str] = []
@@ -371,33 +506,48 @@ class Chaos:
             "event_drop": self.drop_events,
             "worker_forgotten": self.forget_worker,
             "malformed": self.send_malformed,
+            "pass_failure": self.fail_pass,
+            "loop_failure": self.fail_loop,
+            "nan_logits": self.poison_logits,
+            "slow_peer": self.slow_peer,
+            "slow_service": self.slow_service,
+            "abandoned_streams": self.abandon_streams,
+            "short_deadline": self.short_deadline,
         }
 
-    def run(self, seconds: float, workload: Workload) -> None:
+    def run(self, seconds: float) -> None:
         """A fault every FAULT_GAP_S for `seconds`, and until each kind was met once."""
         print(f"phase chaos ({seconds:.0f}s)", file=self.log)
         start = time.monotonic()
         pending = list(FAULT_WEIGHTS)
         self.rng.shuffle(pending)
-        while time.monotonic() - start < seconds or pending:
-            if time.monotonic() - start > seconds + CHAOS_OVERRUN_S:
-                print(f"chaos ended before faults {pending} could be injected", file=self.log)
-                break
-            time.sleep(self.rng.uniform(*FAULT_GAP_S))
-            kind = self._draw(pending)
-            if kind is not None and self._inject[kind]():
-                self.faults[kind] += 1
-                with contextlib.suppress(ValueError):
-                    pending.remove(kind)
-                total = sum(self.faults.values())
-                done = len(workload.records)
-                print(f"  fault {total}: {kind} ({done} requests so far)", file=self.log)
+        try:
+            while time.monotonic() - start < seconds or pending:
+                if time.monotonic() - start > seconds + CHAOS_OVERRUN_S:
+                    print(f"chaos ended before faults {pending} could be injected", file=self.log)
+                    break
+                time.sleep(self.rng.uniform(*FAULT_GAP_S))
+                self._heal_slowed()
+                kind = self._draw(pending)
+                if kind is not None and self._inject[kind]():
+                    self.faults[kind] += 1
+                    with contextlib.suppress(ValueError):
+                        pending.remove(kind)
+                    total = sum(self.faults.values())
+                    done = len(self.workload.records)
+                    print(f"  fault {total}: {kind} ({done} requests so far)", file=self.log)
+        finally:
+            self._heal_slowed()
 
     def _draw(self, pending: list[str]) -> str | None:
         """The next kind: the first pending one that can be injected now, else a weighted
         draw among those that can."""
         all_live = len(self.mesh.live_workers()) == WORKERS
-        possible = [k for k in FAULT_WEIGHTS if k != "worker_kill" or all_live]
+        possible = [
+            k
+            for k in FAULT_WEIGHTS
+            if (k != "worker_kill" or all_live) and (k != "loop_failure" or self._loop_failable())
+        ]
         for kind in pending:
             if kind in possible:
                 return kind
@@ -455,6 +605,178 @@ class Chaos:
         print(f"  {len(probes)} malformed frames sent", file=self.log)
         return True
 
+    # -- faults inside a worker (benchmarks.faults) --------------------------------------
+
+    def fail_pass(self) -> bool:
+        victim = self._install(self._live(), "failing_passes", 1)
+        if victim is not None:
+            print(f"  {victim}'s next forward pass will raise", file=self.log)
+        return victim is not None
+
+    def fail_loop(self) -> bool:
+        victim = self._install(self._loop_failable(), "loop_failure")
+        if victim is None:
+            return False
+        self._loop_failed_at[victim] = time.monotonic()
+        self.workload.loop_failed.set()
+        print(f"  {victim}'s serving loop will fail once", file=self.log)
+        return True
+
+    def poison_logits(self) -> bool:
+        victim = self._install(self._live(), "nan_logits", 1)
+        if victim is not None:
+            print(f"  {victim}'s next forward pass will return NaN logits", file=self.log)
+        return victim is not None
+
+    def slow_peer(self) -> bool:
+        victim = self._install(self._live(), "slow_peer", SLOW_PEER_S)
+        if victim is None:
+            return False
+        self._slowed.add(victim)
+        print(f"  {victim}'s peers answer {SLOW_PEER_S:g}s late per fetch", file=self.log)
+        return True
+
+    def slow_service(self) -> bool:
+        victim = self._install(self._live(), "slow_service", SLOW_SERVICE_S)
+        if victim is None:
+            return False
+        self._slowed.add(victim)
+        print(f"  the service answers {victim}'s matches {SLOW_SERVICE_S:g}s late", file=self.log)
+        return True
+
+    def _live(self) -> list[str]:
+        return sorted(self.mesh.live_workers())
+
+    def _loop_failable(self) -> list[str]:
+        """Live workers whose serving loop may fail once more (LOOP_FAILURE_SPACING_S)."""
+        now = time.monotonic()
+        return [
+            worker
+            for worker in self._live()
+            if now - self._loop_failed_at.get(worker, -LOOP_FAILURE_SPACING_S)
+            >= LOOP_FAILURE_SPACING_S
+        ]
+
+    def _install(self, workers: list[str], fault: str, *args: Any) -> str | None:
+        """Install `fault` (a name of benchmarks.faults.FAULTS) in one of `workers`, drawn
+        at random; the worker, or None when there was none or it did not answer."""
+        if not workers:
+            return None
+        victim = self.rng.choice(workers)
+        try:
+            ray.get(worker_faults.install(self.mesh.workers[victim], fault, *args), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None  # dead or stuck already: nothing installed, nothing counted
+        return victim
+
+    def _heal_slowed(self) -> None:
+        """Take the slow faults away (a worker restarted since has none left)."""
+        for victim in sorted(self._slowed):
+            try:
+                ray.get(worker_faults.install(self.mesh.workers[victim], "heal"), timeout=10)
+            except (ray.exceptions.RayError, TimeoutError):
+                print(f"  could not heal {victim} (gone or stuck)", file=self.log)
+        self._slowed.clear()
+
+    # -- requests of its own -------------------------------------------------------------
+
+    def abandon_streams(self) -> bool:
+        """Streams on one live worker, each read for a chunk or two and closed; then what
+        the worker made of them (see the module docstring)."""
+        live = self._live()
+        if not live:
+            return False
+        victim = self.rng.choice(live)
+        handle = self.mesh.workers[victim]
+        # A stream pinned to a worker fails when the worker is gone (as it should): only on
+        # one serving now (no other fault comes while the streams run).
+        try:
+            if not ray.get(handle.health.remote(), timeout=10).serving:
+                return False
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+        # The streams with their iterators: an iterator dropped cancels its stream too.
+        streams: list[tuple[cluster.TokenStream, Iterator[cluster.StreamChunk]]] = []
+        try:
+            for _ in range(self.rng.randint(1, 2)):
+                streams.append(self._open_stream(victim))
+            watched = ray.get(handle.__ray_call__.remote(_watch, ABANDONED_TOKENS), timeout=10)
+        except Exception as exc:  # explained (a fault met on the way) or a finding
+            self._failed("an abandoned stream", exc)
+            return False
+        finally:
+            for stream, _ in streams:
+                stream.close()
+        time.sleep(CANCEL_WAIT_S)
+        try:
+            cancelled, held = ray.get(
+                handle.__ray_call__.remote(_after_cancel, CANCEL_PASSES), timeout=30
+            )
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            print(f"  {victim} did not say what its cancelled streams hold: {exc}", file=self.log)
+            return False
+        self.cancelled += cancelled
+        self.not_cancelled += watched - cancelled
+        self.held_by_cancelled += held
+        print(
+            f"  {len(streams)} streams abandoned on {victim}: {cancelled} of {watched} running "
+            f"cancelled there, {held} pages still held by cancelled sequences",
+            file=self.log,
+        )
+        return True
+
+    def _open_stream(
+        self, worker: str
+    ) -> tuple[cluster.TokenStream, Iterator[cluster.StreamChunk]]:
+        """A long stream of a workload prompt on `worker`, read for a chunk or two; the
+        stream and its iterator."""
+        prompts = self.workload.prompts
+        stream = self.mesh.stream(
+            prompts[self.rng.randrange(len(prompts))],
+            ABANDONED_TOKENS,
+            self.rng.choice(TENANTS),
+            worker=worker,
+            ignore_eos=True,
+        )
+        chunks = iter(stream)
+        for _ in range(self.rng.randint(1, 2)):
+            next(chunks)
+        return stream, chunks
+
+    def short_deadline(self) -> bool:
+        """A routed request with a deadline far too short for it: it must end by then."""
+        prompts = self.workload.prompts
+        start = time.monotonic()
+        try:
+            self.mesh.generate(
+                prompts[self.rng.randrange(len(prompts))],
+                SHORT_DEADLINE_TOKENS,
+                self.rng.choice(TENANTS),
+                ignore_eos=True,
+                timeout_s=SHORT_DEADLINE_S,
+            )
+            outcome = "completed"
+        except DeadlineExceeded:
+            outcome = "exceeded"
+        except Exception as exc:
+            self._failed("a short-deadline request", exc)
+            outcome = "failed"
+        seconds = time.monotonic() - start
+        self.short[outcome] += 1
+        self.short_max_s = max(self.short_max_s, seconds)
+        if seconds > SHORT_DEADLINE_S + HUNG_GRACE_S:
+            self.late += 1
+            print(f"  a short-deadline request ended after {seconds:.2f}s (hung)", file=self.log)
+        print(f"  a {SHORT_DEADLINE_S:g}s request {outcome} in {seconds:.3f}s", file=self.log)
+        return True
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        cause, error = explain(exc, self.workload.loop_failed.is_set()), _error_text(exc)
+        self.failures.append((cause, error))
+        print(f"  {what} failed ({cause or 'unexplained'}): {error}", file=self.log)
+
+    # -- malformed frames ----------------------------------------------------------------
+
     def _check(self, probe: Probe, reply: protocol.Message | None) -> None:
         is_error = reply is not None and reply.type == protocol.ERROR
         if is_error:
@@ -487,6 +809,13 @@ class Chaos:
         return {
             "faults_injected": sum(self.faults.values()),
             "faults": dict(sorted(self.faults.items())),
+            "loop_failures_injected": self.faults["loop_failure"],
+            "cancelled_requests": self.cancelled,
+            "pages_held_by_cancelled": self.held_by_cancelled,
+            "abandoned_not_cancelled": self.not_cancelled,
+            "short_deadline_exceeded": self.short["exceeded"],
+            "short_deadline_completed": self.short["completed"],
+            "short_deadline_max_s": round(self.short_max_s, 3),
             "malformed_frames": sum(self.malformed.values()),
             "malformed_answered": self.malformed["answered"],
             "malformed_dropped": self.malformed["dropped"],
@@ -508,6 +837,35 @@ def _lose_next_batch(worker) -> None:
         return ApplyResult(True, False, "applied", seq)
 
     client.publish_events = lost
+
+
+def _watch(worker, max_new_tokens: int) -> int:
+    """(Runs in a worker's process.) Keep the streams running there with `max_new_tokens`
+    (the chaos' own, about to be abandoned) for `_after_cancel`; how many there are."""
+    worker.chaos_watched = [
+        seq
+        for seq in list(worker.scheduler.running)
+        if seq.on_token is not None and seq.max_new_tokens == max_new_tokens
+    ]
+    return len(worker.chaos_watched)
+
+
+def _after_cancel(worker, passes: int, timeout_s: float = 10.0) -> tuple[int, int]:
+    """(Runs in a worker's process.) Once `passes` more steps ran (or `timeout_s` passed,
+    with nothing to run): how many watched streams ended with RequestCancelled, and the
+    pages still held by sequences ended by a cancellation."""
+    scheduler = worker.scheduler
+    until, deadline = scheduler.steps + passes, time.monotonic() + timeout_s
+    while scheduler.steps < until and time.monotonic() < deadline:
+        time.sleep(0.005)
+    watched = worker.__dict__.pop("chaos_watched", [])
+    cancelled = sum(1 for seq in watched if isinstance(seq.error, RequestCancelled))
+    held = 0
+    for seq in list(scheduler.running):
+        allocation = seq.allocation  # read once: the serving thread may release it now
+        if isinstance(seq.ending, RequestCancelled) and allocation is not None:
+            held += len(allocation.pages)
+    return cancelled, held
 
 
 def _pid(actor) -> int:
@@ -762,9 +1120,15 @@ def _settled_segments(before: set[str]) -> set[str]:
 KEY_ORDER = (
     "requests",
     "failed_requests",
+    "hung_requests",
+    "deadline_exceeded",
+    "explained_failures",
     "wrong_outputs",
     "faults_injected",
     "faults",
+    "loop_failures_injected",
+    "cancelled_requests",
+    "pages_held_by_cancelled",
     "malformed_frames",
     "leaked_pages",
     "leaked_shm_segments",

@@ -1,5 +1,7 @@
-"""`kvmesh bench chaos`, short: under killed workers, service restarts, lost event batches
-and malformed frames, no request fails, none is answered wrong, nothing leaks, and reuse
+"""`kvmesh bench chaos`, short: under killed workers, service restarts, lost event batches,
+malformed frames, failing passes and loops, NaN logits, slow peers and a slow service, no
+request fails without an injected fault, a deadline or a cancellation explaining it, none
+hangs or is answered wrong, abandoned streams free their pages, nothing leaks, and reuse
 comes back after recovery.
 
 The benchmark runs in a process of its own: it starts its own simulated Ray cluster, and
@@ -18,15 +20,22 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SECONDS = 20  # of workload; the start, recovery and shutdown add about a minute
-TIMEOUT_S = 240
+SECONDS = 20  # of workload; the start, every kind of fault once, recovery and shutdown
+# add about a minute and a half
+TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 KEYS = (
     "requests",
     "failed_requests",
+    "hung_requests",
+    "deadline_exceeded",
+    "explained_failures",
     "wrong_outputs",
     "faults_injected",
     "faults",
+    "loop_failures_injected",
+    "cancelled_requests",
+    "pages_held_by_cancelled",
     "malformed_frames",
     "leaked_pages",
     "leaked_shm_segments",
@@ -64,17 +73,41 @@ def test_it_reports_every_figure(figures):
     assert figures["requests"] > 0
 
 
-def test_no_request_fails_or_is_answered_wrong(figures):
+def test_no_request_fails_unexplained_hangs_or_is_answered_wrong(figures):
     assert figures["failed_requests"] == 0, figures["errors"]
+    assert figures["hung_requests"] == 0
     assert figures["wrong_outputs"] == 0
+
+
+def test_no_request_with_the_default_deadline_passes_it(figures):
+    assert figures["deadline_exceeded"] == 0, figures["explained_failures"]
 
 
 def test_every_kind_of_fault_was_injected(figures):
     faults = figures["faults"]
-    assert figures["faults_injected"] >= 3
-    assert faults.get("worker_kill", 0) >= 1
-    assert faults.get("service_restart", 0) >= 1
-    assert faults.get("event_drop", 0) >= 1 and faults.get("worker_forgotten", 0) >= 1
+    assert figures["faults_injected"] >= 12
+    kinds = (
+        "worker_kill",
+        "service_restart",
+        "event_drop",
+        "worker_forgotten",
+        "malformed",
+        "pass_failure",
+        "loop_failure",
+        "nan_logits",
+        "slow_peer",
+        "slow_service",
+        "abandoned_streams",
+        "short_deadline",
+    )
+    assert [kind for kind in kinds if faults.get(kind, 0) < 1] == []
+    assert figures["loop_failures_injected"] >= 1
+
+
+def test_abandoned_streams_are_cancelled_and_hold_no_pages(figures):
+    assert figures["cancelled_requests"] >= 1
+    assert figures["abandoned_not_cancelled"] == 0
+    assert figures["pages_held_by_cancelled"] == 0
 
 
 def test_malformed_frames_are_answered_or_dropped_and_the_service_keeps_serving(figures):
