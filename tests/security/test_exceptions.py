@@ -21,8 +21,8 @@ from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
 from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
+from workers.errors import DeadlineExceeded, RequestCancelled, RequestEnded, ServingStopped
 from workers.service.client import ServiceError, ServiceSkipped, ServiceUnavailable
-from workers.serving.loop import ServingStopped
 from workers.serving.model_loader import LayoutMismatchError, ModelNotFoundError
 from workers.store.layout import (
     NotOwnerError,
@@ -49,6 +49,12 @@ SAMPLES = [
     (LaunchError("kvmesh is already up"), ()),
     (CacheFull("40 tokens do not fit"), ()),
     (ServingStopped("this worker has stopped serving"), ()),
+    (RequestEnded("ended before its result"), ()),
+    (
+        DeadlineExceeded(5.0, "decode", {"queued": 0.5, "decode": 4.5}),
+        ("timeout_s", "phase", "spent"),
+    ),
+    (RequestCancelled("request 'r1' was cancelled by its caller"), ()),
     (PageStoreError("closed"), ()),
     (NotOwnerError("read-only"), ()),
     (SegmentFormatError("bad magic"), ()),
