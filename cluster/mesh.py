@@ -330,21 +330,18 @@ class Mesh:
                 was in and where its time went); it released everything it held.
         """
         start = time.perf_counter()
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        options = {
+            "sampling": SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+            ),
+            "stop_token_ids": stop_token_ids,
+            "reuse": reuse,
+            "ignore_eos": ignore_eos,
+            "return_logits": return_logits,
+        }
         many = many_prompts(prompt)
         requests = [
-            self._request(
-                p,
-                max_new_tokens,
-                tenant,
-                worker,
-                reuse,
-                sampling,
-                stop_token_ids,
-                ignore_eos,
-                return_logits,
-                timeout_s,
-            )
+            self._request(p, max_new_tokens, tenant, worker, timeout_s, **options)
             for p in (prompt if many else [prompt])
         ]
         outputs = self.dispatcher.generate(requests, worker)
@@ -383,16 +380,9 @@ class Mesh:
         """
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         request = self._request(
-            prompt,
-            max_new_tokens,
-            tenant,
-            worker,
-            reuse,
-            sampling,
-            stop_token_ids,
-            ignore_eos,
-            timeout_s=timeout_s,
-        )
+            prompt, max_new_tokens, tenant, worker, timeout_s, sampling=sampling,
+            stop_token_ids=stop_token_ids, reuse=reuse, ignore_eos=ignore_eos,
+        )  # fmt: skip
         return TokenStream(self.dispatcher.stream(request, worker), self.tokenizer, result_of)
 
     def chat(
@@ -422,19 +412,10 @@ class Mesh:
         return run(tokens, max_new_tokens, tenant, **options)
 
     def _request(
-        self,
-        prompt,
-        max_new_tokens,
-        tenant,
-        worker,
-        reuse,
-        sampling,
-        stop_token_ids,
-        ignore_eos,
-        return_logits=False,
-        timeout_s=None,
+        self, prompt, max_new_tokens, tenant, worker, timeout_s, **options
     ) -> FrontRequest:
-        """Check everything a worker would, before anything is routed or held."""
+        """Check everything a worker would, before anything is routed or held (`options`:
+        `check_request`'s sampling, stop tokens and flags)."""
         if self._closed:
             raise RuntimeError("mesh is shut down")
         model = self.config.model.name
@@ -443,18 +424,9 @@ class Mesh:
             raise ValueError(f"unknown worker {worker!r}; known: {', '.join(self.workers)}")
         salt = self.salt(tenant)
         check_tenant(tenant)
-        request = check_request(
-            tokens,
-            model,
-            salt,
-            max_new_tokens,
-            sampling,
-            stop_token_ids,
-            reuse,
-            ignore_eos,
-            return_logits,
-            self.config.requests.timeout_s if timeout_s is None else timeout_s,
-        )
+        if timeout_s is None:
+            timeout_s = self.config.requests.timeout_s
+        request = check_request(tokens, model, salt, max_new_tokens, timeout_s=timeout_s, **options)
         self._name_tenant(tenant, salt)
         return request
 

@@ -324,9 +324,8 @@ class Worker:
         wait_s = seq.deadline + DEADLINE_GRACE_S - time.perf_counter()
         if seq.done.wait(max(0.0, wait_s)):
             return
-        error = seq.overdue(time.perf_counter()) or DeadlineExceeded(
-            seq.timeout_s, seq.current_phase, seq.spent(time.perf_counter())
-        )
+        now = time.perf_counter()
+        error = DeadlineExceeded(seq.timeout_s, seq.current_phase, seq.spent(now))
         seq.end(error)
         if not seq.done.is_set():
             seq.error = error

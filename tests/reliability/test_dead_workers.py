@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import cluster
+from benchmarks import faults
 from cache_service.events import Namespace
 from cluster.config import config_from_dict
 from cluster.dispatch import ANSWER_GRACE_S
@@ -95,22 +96,6 @@ def test_a_worker_whose_loop_failed_is_routed_around_until_it_serves_again(mesh)
     assert mesh.stats()["workers"]["w1"]["serving"]["restarts"] == 1
 
 
-def slow_passes(worker, seconds: float) -> None:
-    """Each forward pass of `worker` takes `seconds` more (0: as before), set inside its
-    process for the test."""
-    runner = worker.batch_runner
-    forward = getattr(runner, "unslowed", runner.forward)
-    if not seconds:
-        runner.forward = forward
-        return
-
-    def slowed(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
-
-    runner.unslowed, runner.forward = forward, slowed
-
-
 def w1_figures(mesh) -> tuple[int, int]:
     """w1's pages held by requests, and its requests ended early."""
     return ray.get(
@@ -121,7 +106,7 @@ def w1_figures(mesh) -> tuple[int, int]:
 
 
 def test_a_deadline_ends_the_request_with_a_typed_error_and_frees_its_pages(mesh):
-    ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0.02))
+    ray.get(faults.install(mesh.workers["w1"], "slow_passes", 0.02))
     try:
         _, ended = w1_figures(mesh)
         start = time.monotonic()
@@ -135,11 +120,11 @@ def test_a_deadline_ends_the_request_with_a_typed_error_and_frees_its_pages(mesh
         with pytest.raises(ValueError, match="timeout_s must be a positive"):
             mesh.generate(prompt(400), 4, timeout_s=0)
     finally:
-        ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0))
+        ray.get(faults.install(mesh.workers["w1"], "heal"))
 
 
 def test_a_stream_its_caller_leaves_is_cancelled_on_its_worker(mesh):
-    ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0.02))
+    ray.get(faults.install(mesh.workers["w1"], "slow_passes", 0.02))
     try:
         _, ended = w1_figures(mesh)
         stream = mesh.stream(prompt(401), 200, worker="w1", ignore_eos=True)
@@ -152,7 +137,7 @@ def test_a_stream_its_caller_leaves_is_cancelled_on_its_worker(mesh):
             next(iter(stream))
         wait_until(lambda: w1_figures(mesh) == (0, ended + 2), 10, "w1 to cancel the second")
     finally:
-        ray.get(mesh.workers["w1"].__ray_call__.remote(slow_passes, 0))
+        ray.get(faults.install(mesh.workers["w1"], "heal"))
 
 
 def test_a_cache_reset_leaves_the_index_and_routing_at_once(mesh):

@@ -210,8 +210,7 @@ class Scheduler:
         still copying is answered now; its pages are released when its copy returns (the
         copy thread writes into them until then)."""
         seq.error = error
-        if seq.copying is not None:
-            seq.end(error if isinstance(error, RequestEnded) else RequestEnded(str(error)))
+        if seq.copying is not None:  # `_land_copies` retires it
             seq.done.set()
             return
         seq.finish("error")
