@@ -101,6 +101,11 @@ class ServiceActor:
             )
         if worker_id in self.keys.workers:
             raise ValueError(f"{worker_id!r} is one of the mesh's own workers: pick another id")
+        if self.server.in_quarantine(worker_id):
+            raise ValueError(
+                f"{worker_id!r} is in quarantine (its pages failed a spot check): an operator "
+                "clears it with `kvmesh quarantine clear`"
+            )
         pair = self.enrolled.get(worker_id)
         if pair is None:
             if len(self.enrolled) >= MAX_ENROLLED:
@@ -142,6 +147,16 @@ class ServiceActor:
     def check_integrity(self) -> None:
         """Check the index's invariants, on the server's loop thread."""
         self.server.check_integrity()
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The members in quarantine (`cache_service.quarantine`): holder, reporter,
+        since, evidence."""
+        return self.server.quarantined()
+
+    def clear_quarantine(self, worker_id: str) -> bool:
+        """The operator lets `worker_id` register (and, an engine, enroll) again; False
+        when it was not in quarantine."""
+        return self.server.clear_quarantine(worker_id)
 
     def stop(self) -> None:
         self.server.stop()

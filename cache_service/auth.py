@@ -31,6 +31,7 @@ from cache_service.messages import (
     Bye,
     GetPeer,
     GetPeers,
+    GetQuarantine,
     GetStats,
     Heartbeat,
     Match,
@@ -38,6 +39,7 @@ from cache_service.messages import (
     PublishEvents,
     Register,
     ReportDead,
+    ReportHolder,
     Request,
     Resync,
     Route,
@@ -94,10 +96,22 @@ _WORKER_REQUESTS = (
     Route,
     GetPeer,
     GetPeers,
+    ReportHolder,
+    GetQuarantine,
 )
-_FRONT_DOOR_REQUESTS = (Match, Route, GetStats, ReportDead, NameTenant, GetPeer, GetPeers)
-# Reads that a worker may make about any worker: routing, and how to reach its peers.
-_WORKER_READS = (Route, GetPeer, GetPeers)
+_FRONT_DOOR_REQUESTS = (
+    Match,
+    Route,
+    GetStats,
+    ReportDead,
+    NameTenant,
+    GetPeer,
+    GetPeers,
+    GetQuarantine,
+)
+# Reads that a worker may make about any worker: routing, how to reach its peers, and
+# whom not to copy from.
+_WORKER_READS = (Route, GetPeer, GetPeers, GetQuarantine)
 
 
 def allowed(speaker: Identity, request: Request) -> bool:

@@ -54,6 +54,7 @@ def dashboard_json(
             "tenants": [],
             "evictions": {},
             "ttft": {},
+            "quarantined": [],
         }
     by_worker: dict[str, TenantFigures] = {}
     by_tenant: dict[str, TenantFigures] = {}
@@ -89,6 +90,7 @@ def dashboard_json(
             cache: {**_moments(counts), "buckets": counts.cumulative()}
             for cache, counts in sorted(snapshot.ttft.items())
         },
+        "quarantined": [dict(record) for record in snapshot.quarantined],
     }
 
 

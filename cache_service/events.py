@@ -55,4 +55,5 @@ KvEvent = PagesStored | PagesRemoved | AllCleared
 
 # "evicted": made room for a new allocation; "cleared": an explicit clear();
 # "aborted": pages of a request that ended before publishing them (never shared).
-REMOVAL_REASONS = ("evicted", "cleared", "aborted")
+# "quarantined": copies of a quarantined holder's pages (or of pages it tainted), dropped.
+REMOVAL_REASONS = ("evicted", "cleared", "aborted", "quarantined")

@@ -30,6 +30,7 @@ from cache_service.messages import (
     EpochReply,
     GetPeer,
     GetPeers,
+    GetQuarantine,
     GetStats,
     Heartbeat,
     Match,
@@ -38,10 +39,12 @@ from cache_service.messages import (
     PeerEntry,
     PeerList,
     PublishEvents,
+    QuarantineList,
     Register,
     Registered,
     Reply,
     ReportDead,
+    ReportHolder,
     Request,
     Resync,
     ResyncReply,
@@ -51,6 +54,7 @@ from cache_service.messages import (
 )
 from cache_service.metrics import Histogram
 from cache_service.protocol import ProtocolError
+from cache_service.quarantine import Quarantine
 from cache_service.reports import WorkerReports
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ REJECTED = "rejected"  # well-formed but refused by the index (e.g. a 257th tier
 FORBIDDEN = "forbidden"  # the sender's identity may not send this request
 STALE_EPOCH = "stale_epoch"  # BYE with another epoch than the worker's current one
 REGISTRY_FULL = "registry_full"  # max_workers registered, each holding pages
+QUARANTINED = "quarantined"  # the worker is in quarantine until an operator clears it
 
 # Entries per GetPeers reply: a few hundred KiB at most, well inside a frame's bounds.
 PEERS_PER_PAGE = 256
@@ -92,8 +97,10 @@ class RequestHandlers:
         keys: ServerKeys | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         clock: Callable[[], float] = time.monotonic,
+        quarantine: Quarantine | None = None,
     ):
         self.index = index
+        self.quarantine = Quarantine() if quarantine is None else quarantine
         self.epoch = epoch
         self.reports = reports
         self.keys = keys
@@ -116,6 +123,8 @@ class RequestHandlers:
             NameTenant: self._name_tenant,
             GetPeer: self._peer,
             GetPeers: self._peers,
+            ReportHolder: self._report_holder,
+            GetQuarantine: self._get_quarantine,
         }
         # A worker's page server uses the worker's key pair: the key a worker may
         # advertise for it (see `_register`).
@@ -188,6 +197,12 @@ class RequestHandlers:
     # ------------------------------------------------------------------ one per request
 
     def _register(self, request: Register) -> Registered:
+        if self.quarantine.holds(request.worker_id):
+            raise ProtocolError(
+                QUARANTINED,
+                f"worker {request.worker_id!r} is in quarantine: its pages failed a spot "
+                "check; an operator clears it with `kvmesh quarantine clear`",
+            )
         if self.keys is not None and request.page_key not in (
             None,
             self._worker_keys.get(request.worker_id),
@@ -211,7 +226,7 @@ class RequestHandlers:
                 f"with service epoch {self.epoch}; register again",
             )
         self.reports.update(request.worker_id, request.report)
-        return EpochReply(self.epoch)
+        return EpochReply(self.epoch, self.quarantine.version)
 
     def _events(self, request: PublishEvents) -> ApplyResult:
         return self.index.apply_events(
@@ -268,6 +283,24 @@ class RequestHandlers:
     def _peers(self, request: GetPeers) -> PeerList:
         entries, more = self.index.peers(request.after, PEERS_PER_PAGE)
         return PeerList(tuple(entries), more)
+
+    def _report_holder(self, request: ReportHolder) -> Ack:
+        if self.index.worker_info(request.worker_id) is None:
+            raise ProtocolError(UNKNOWN_WORKER, f"worker {request.worker_id!r} is not registered")
+        new = self.quarantine.report(
+            request.worker_id, request.holder, request.digests, request.evidence
+        )
+        if new:
+            log.warning(
+                "%s put %s in quarantine: %s", request.worker_id, request.holder, request.evidence
+            )
+            self.index.remove_worker(request.holder, "quarantined")
+            self.reports.departed(request.holder)
+        return Ack()
+
+    def _get_quarantine(self, request: GetQuarantine) -> QuarantineList:
+        q = self.quarantine
+        return QuarantineList(q.holders(), q.digests(), q.version)
 
 
 def check_allowed(speaker: Identity | None, request: Request) -> None:

@@ -92,6 +92,10 @@ class WorkerReport(NamedTuple):
     loop_restarts: int
     deadline_exceeded: int  # requests that passed their deadline there
     cancelled: int  # requests their callers left (streams closed or abandoned)
+    # Copied pages it recomputed to check them, and those that failed (its holder was
+    # reported): `workers.transfer.spot_check`.
+    spot_checks: int
+    spot_check_failures: int
 
 
 # The report's load fields: what routing weighs (`cache_service.routing`).
@@ -104,8 +108,22 @@ LOAD_FIELDS = (
     "copy_ns_remote",
 )
 # The report's health fields (a worker without a serving loop of its own reports serving).
-HEALTH_FIELDS = ("serving", "loop_restarts", "deadline_exceeded", "cancelled")
-HEALTHY = {"serving": 1, "loop_restarts": 0, "deadline_exceeded": 0, "cancelled": 0}
+HEALTH_FIELDS = (
+    "serving",
+    "loop_restarts",
+    "deadline_exceeded",
+    "cancelled",
+    "spot_checks",
+    "spot_check_failures",
+)
+HEALTHY = {
+    "serving": 1,
+    "loop_restarts": 0,
+    "deadline_exceeded": 0,
+    "cancelled": 0,
+    "spot_checks": 0,
+    "spot_check_failures": 0,
+}
 
 
 def no_observations(bounds: Sequence[float]) -> Observed:
@@ -209,6 +227,23 @@ class GetPeers(NamedTuple):
     after: str
 
 
+class ReportHolder(NamedTuple):
+    """A worker found pages it copied from `holder` not holding what their digests claim
+    (a spot check: `workers.transfer.spot_check`), or dropped its copies of a quarantined
+    holder's pages: the service quarantines `holder` and tells every member `digests`,
+    whose copies they then drop (see `cache_service.index.quarantine`)."""
+
+    worker_id: str  # the reporter (speaks only for itself)
+    epoch: int
+    holder: str
+    digests: bytes  # 16-byte page digests back to back: the pages copied from it
+    evidence: str  # what the check found, for the operator
+
+
+class GetQuarantine(NamedTuple):
+    """The members in quarantine and the digests of the pages copied from them."""
+
+
 class NameTenant(NamedTuple):
     """The front door tells the service the name of a tenant's salt, for the statistics
     (which show names, never salts)."""
@@ -229,9 +264,11 @@ class Registered(NamedTuple):
 
 
 class EpochReply(NamedTuple):
-    """The answer to Heartbeat: the service's current epoch."""
+    """The answer to Heartbeat: the service's current epoch, and the version of its
+    quarantine list (a member whose copy is older asks for the list: GetQuarantine)."""
 
     service_epoch: int
+    quarantine: int = 0
 
 
 class ApplyResult(NamedTuple):
@@ -343,6 +380,15 @@ class PeerList(NamedTuple):
     more: bool
 
 
+class QuarantineList(NamedTuple):
+    """The answer to GetQuarantine: the holders in quarantine (none is copied from, none
+    may register), and the digests of the pages copied from them (copies dropped)."""
+
+    holders: tuple[str, ...]
+    digests: bytes  # 16-byte digests back to back
+    version: int
+
+
 class ErrorReply(NamedTuple):
     """The answer to a request that failed: a code for programs, a message for people."""
 
@@ -363,6 +409,8 @@ Request = (
     | NameTenant
     | GetPeer
     | GetPeers
+    | ReportHolder
+    | GetQuarantine
 )
 Reply = (
     Registered
@@ -375,5 +423,6 @@ Reply = (
     | Ack
     | PeerEntry
     | PeerList
+    | QuarantineList
     | ErrorReply
 )

@@ -97,6 +97,7 @@ class WorkerFiguresRow(NamedTuple):
     serving: int = 1  # 1: its serving loop runs; 0: it failed (refusing requests)
     loop_restarts: int = 0
     ended: Mapping[str, int] = {}  # "deadline" / "cancelled" -> requests ended early
+    spot_checks: Mapping[str, int] = {}  # "checked" / "failed" -> copied pages recomputed
 
 
 class MetricsSnapshot(NamedTuple):
@@ -117,6 +118,10 @@ class MetricsSnapshot(NamedTuple):
     workers: Mapping[str, WorkerFiguresRow]
     copy_seconds: HistogramCounts
     ttft: Mapping[str, HistogramCounts]  # "hit" / "miss"
+    # Members in quarantine (`cache_service.quarantine`: holder, reporter, since,
+    # evidence) and how many went in since the service started.
+    quarantined: Sequence[Mapping[str, Any]] = ()
+    quarantines: int = 0
 
 
 def snapshot_from(
@@ -126,6 +131,7 @@ def snapshot_from(
     reports: WorkerReports,
     tenant_name: Callable[[str], str],
     now: float,
+    quarantine: Mapping[str, Any] | None = None,
 ) -> MetricsSnapshot:
     """A snapshot from the index's `stats()` and the workers' reports (on the thread that
     owns both); `tenant_name` turns a report's salts into the names shown."""
@@ -148,6 +154,7 @@ def snapshot_from(
             serving=report.serving,
             loop_restarts=report.loop_restarts,
             ended={"deadline": report.deadline_exceeded, "cancelled": report.cancelled},
+            spot_checks={"checked": report.spot_checks, "failed": report.spot_check_failures},
         )
         for worker_id, report, live in rows
     }
@@ -168,6 +175,8 @@ def snapshot_from(
             "hit": _summed(TTFT_BUCKETS, [r.ttft_hit for r in reported]),
             "miss": _summed(TTFT_BUCKETS, [r.ttft_miss for r in reported]),
         },
+        quarantined=tuple((quarantine or {}).get("members", ())),
+        quarantines=(quarantine or {}).get("quarantines", 0),
     )
 
 
@@ -236,6 +245,20 @@ class SnapshotCollector(Collector):
         for cache, counts in sorted(snap.ttft.items()):
             ttft.add_metric([cache], counts.cumulative(), counts.total)
         yield ttft
+        quarantined = GaugeMetricFamily(
+            "kvmesh_quarantined",
+            "1 for each member in quarantine: its pages failed a spot check; it may not "
+            "register until an operator clears it (`kvmesh quarantine clear`).",
+            labels=["worker", "reporter"],
+        )
+        for record in snap.quarantined:
+            quarantined.add_metric([record["holder"], record["reporter"]], 1)
+        yield quarantined
+        quarantines = CounterMetricFamily(
+            "kvmesh_quarantines", "Members put in quarantine since the service started."
+        )
+        quarantines.add_metric([], snap.quarantines)
+        yield quarantines
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -324,6 +347,12 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
         "Requests a worker ended early: deadline (passed it) or cancelled (the caller left).",
         labels=["reason", "worker"],
     )
+    spot = CounterMetricFamily(
+        "kvmesh_spot_checks",
+        "Copied pages a worker recomputed to check them: result=passed, or failed (the "
+        "holder was reported and the copy dropped).",
+        labels=["result", "worker"],
+    )
     for worker, row in sorted(workers.items()):
         if row.live:
             for state, count in row.pages.items():
@@ -339,7 +368,12 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
         restarts.add_metric([worker], row.loop_restarts)
         for reason, count in sorted(row.ended.items()):
             ended.add_metric([reason, worker], count)
+        if row.spot_checks:
+            failed = row.spot_checks["failed"]
+            spot.add_metric(["passed", worker], row.spot_checks["checked"] - failed)
+            spot.add_metric(["failed", worker], failed)
     yield from (pages, evictions, copied, running, waiting, aligned, serving, restarts, ended)
+    yield spot
 
 
 def _query_families(label: str, tallies: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:

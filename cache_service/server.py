@@ -267,6 +267,18 @@ class ServiceServer:
     def _check_integrity(self) -> None:
         self.index.check_integrity()
         self.reports.check_integrity()
+        self._handlers.quarantine.check()
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The members in quarantine: holder, reporter, since (unix seconds), evidence."""
+        return self._in_loop(self._handlers.quarantine.records)
+
+    def in_quarantine(self, worker_id: str) -> bool:
+        return self._in_loop(lambda: self._handlers.quarantine.holds(worker_id))
+
+    def clear_quarantine(self, worker_id: str) -> bool:
+        """Let `worker_id` register again; False when it was not in quarantine."""
+        return self._in_loop(lambda: self._handlers.quarantine.clear(worker_id))
 
     def admit_worker(self, worker_id: str, public_key: bytes) -> None:
         """Admit a worker that joined after the mesh started (a vLLM engine), bound to
@@ -387,6 +399,7 @@ class ServiceServer:
                     self.reports,
                     self.index.tenant_name,
                     now=time.time(),
+                    quarantine=self._handlers.quarantine.stats(),
                 )
             )
         )
@@ -429,6 +442,7 @@ class ServiceServer:
             "metrics_url": self.metrics_url,
             "dashboard_url": self.dashboard_url,
         }
+        stats["quarantine"] = self._handlers.quarantine.stats()
         return _fitted(stats, self.limits.max_frame_bytes - 1024)
 
 

@@ -29,6 +29,7 @@ from workers.serving.models import DTYPES, model_shape
 from workers.store.layout import StoreLayout
 from workers.transfer.costs import POLICIES
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
+from workers.transfer.spot_check import SPOT_CHECK_RATE
 
 
 class ConfigError(ValueError):
@@ -109,6 +110,9 @@ class WorkersConfig:
     # speeds; "always" / "never" force one (tests of the copy path use "always": a tiny
     # model computes faster than any copy).
     copy_policy: str = "measured"
+    # Of copies from holders checked before, the share spot-checked: one copied page
+    # recomputed and compared (`workers.transfer.spot_check`; a holder's first copy always).
+    spot_check_rate: float = SPOT_CHECK_RATE
     # Batching (`workers.serving.scheduler`): sequences running at once, tokens one forward pass
     # takes, a prompt's tokens per pass (0: as many as the pass has room for), and
     # whether requests arriving together compute a prefix they share once; copy-ins
@@ -138,6 +142,10 @@ class WorkersConfig:
             raise ConfigError(
                 f"workers.copy_policy {self.copy_policy!r} unknown; known: "
                 f"{', '.join(sorted(POLICIES))}"
+            )
+        if type(self.spot_check_rate) not in (int, float) or not 0 <= self.spot_check_rate <= 1:
+            raise ConfigError(
+                f"workers.spot_check_rate must be a number in [0, 1], got {self.spot_check_rate!r}"
             )
         if type(self.max_restarts) is not int or self.max_restarts < -1:
             raise ConfigError(

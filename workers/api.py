@@ -34,6 +34,7 @@ from workers.serving.config import SamplingParams, SchedulerConfig
 from workers.serving.health import ServingHealth
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 from workers.transfer.peers import PeerInfo
+from workers.transfer.spot_check import SPOT_CHECK_RATE
 
 # How peers reach a worker's pages: what `info` answers and `set_peers` takes.
 WorkerInfo = PeerInfo
@@ -104,6 +105,9 @@ class WorkerSettings:
     # Copy or recompute a request's pages cached on peers (`workers.transfer.costs`):
     # "measured" weighs both by this machine's measurements; "always" / "never" force one.
     copy_policy: str = "measured"
+    # Of copies from holders checked before, the share whose sample page is recomputed and
+    # compared (`workers.transfer.spot_check`); a holder's first copy is always checked.
+    spot_check_rate: float = SPOT_CHECK_RATE
     # How the worker batches the requests it serves at once.
     scheduler: SchedulerConfig = SchedulerConfig()
     # Compaction of running sequences under memory pressure (off by default).

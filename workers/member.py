@@ -60,6 +60,17 @@ from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
 from workers.transfer.page_server import PageServer
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT, TransferAuth
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
+from workers.transfer.spot_check import (
+    SPOT_CHECK_RATE,
+    TOLERANCE,
+    Provenance,
+    SpotChecks,
+    kv_error,
+)
+
+# (the allocation's pages, the prompt, j): computes prompt page j into pages[j] over
+# pages[:j] as its context, with the member's model (a worker's; an engine has none).
+Recompute = Callable[[Sequence[int], Sequence[int], int], None]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +92,8 @@ class Membership:
         late_readers: admits keys that enroll after it started (vLLM engines).
         publish_interval_s: how often the publisher heartbeats and sends events.
         service_backoff_s: how long its clients skip a service that did not answer.
+        spot_check_rate: of copies from holders checked before, the share spot-checked
+            (`workers.transfer.spot_check`; copies from others are always checked).
     """
 
     worker_id: str
@@ -94,6 +107,7 @@ class Membership:
     late_readers: Callable[[bytes], bool] | None = None
     publish_interval_s: float = 0.5
     service_backoff_s: float = SERVICE_BACKOFF_S
+    spot_check_rate: float = SPOT_CHECK_RATE
 
     def transfer_auth(self) -> TransferAuth | None:
         """Its credentials for page servers, and its own page server's (None: no auth)."""
@@ -179,6 +193,12 @@ class MeshMember:
         encrypted = self.auth is not None and self.auth.encrypt
         self.links = measure_links(layout.page_bytes, encrypted)
         self._lock = threading.Lock()
+        self.spot_checks = SpotChecks(membership.spot_check_rate)
+        self.provenance = Provenance()  # which copied page came from which holder
+        self.quarantined: set[str] = set()  # holders not copied from (the service's list)
+        self._quarantine_seen = 0  # the version of that list applied here
+        self._drop_later: dict[int, bytes] = {}  # copies to drop once no request holds them
+        self.dropped_pages = 0  # copies dropped for coming from quarantined holders
         self.copies_refused = 0  # copied pages that failed validation (changed, or not ours)
         self.copy_decisions: Counter[str] = Counter()  # by Decision.reason
         self.last_decision: Decision | None = None
@@ -235,6 +255,7 @@ class MeshMember:
         spans: Sequence[HolderSpan],
         end: int,
         decide: Callable[[CopyCosts], Decision] | None = None,
+        recompute: Recompute | None = None,
     ) -> int:
         """Copy prompt pages from where the allocation's own prefix ends up to `end` out of
         the holders in `spans`, each page validated; returns where the usable prefix ends,
@@ -248,10 +269,15 @@ class MeshMember:
             end: the first prompt page not to copy.
             decide: copy or recompute, given the plan's costs (None: copy everything
                 planned, as an engine does: vLLM already chose to load).
+            recompute: computes prompt page j of the allocation's pages in place, over
+                the pages before it (`Recompute`); with it, copies are spot-checked
+                (`workers.transfer.spot_check`), and a copy whose check fails is dropped
+                whole (the request computes it) and its holder reported.
         """
         p = self.store.layout.page_tokens
         first = allocation.cached_tokens // p
         self.sources.detach_dead()
+        spans = [s for s in spans if s.worker_id not in self.quarantined]
         peers = {s.worker_id: self.peers.get(s.worker_id) for s in spans}
         peers = {w: peer for w, peer in peers.items() if peer is not None}
         links = {w: self.links.link(w, peer.node_id != self.node_id) for w, peer in peers.items()}
@@ -287,7 +313,118 @@ class MeshMember:
                     self.copies_refused += refused
             elif result.valid:  # a refused page may never have moved: no rate from it
                 self.links.observe(result.task.holder, remote, nbytes, result.seconds)
-        return outcome.end
+        end = outcome.end
+        ranges = [(r.task.holder, r.task.first, min(r.task.end, end)) for r in outcome.results]
+        ranges = [r for r in ranges if r[1] < r[2]]
+        if recompute is not None and ranges and not self._checks_pass(
+            allocation, tokens, ranges, expected, recompute
+        ):
+            return first
+        for holder, lo, hi in ranges:
+            self.provenance.record(allocation.pages[lo:hi], holder, expected[lo:hi])
+        return end
+
+    # -- spot checks and quarantine ----------------------------------------------------
+
+    def _checks_pass(
+        self,
+        allocation: Allocation,
+        tokens: Sequence[int],
+        ranges: list[tuple[str, int, int]],
+        expected: Sequence[bytes],
+        recompute: Recompute,
+    ) -> bool:
+        """Recompute the pages the spot checks pick among the copied ones; False (and the
+        holder reported, or the holders distrusted) when one does not hold what its
+        holder claimed."""
+        for sample in self.spot_checks.pick(ranges):
+            page = allocation.pages[sample.page]
+            copied = self.store.page(page).clone()
+            recompute(allocation.pages, tokens, sample.page)
+            verdict = self.spot_checks.judged(sample, kv_error(copied, self.store.page(page)))
+            if verdict.passed:
+                continue
+            log.warning(
+                "%s: prompt page %d copied from %s failed its spot check (error %.3g > %g)",
+                self.worker_id, sample.page, sample.holder, verdict.error, TOLERANCE,
+            )  # fmt: skip
+            if not sample.attributable:
+                self.spot_checks.distrust(h for h, _, _ in ranges)
+                return False
+            lo, hi = next((lo, hi) for h, lo, hi in ranges if h == sample.holder)
+            evidence = (
+                f"prompt page {sample.page} differed from its recomputation by "
+                f"{verdict.error:.3g} of its magnitude (tolerance {TOLERANCE})"
+            )
+            self._quarantine_locally(sample.holder, expected[lo:hi], evidence)
+            return False
+        return True
+
+    def _quarantine_locally(self, holder: str, digests: Sequence[bytes], evidence: str) -> None:
+        """Stop copying from `holder`, report it with the digests of the pages this
+        member copied from it (those of the failed copy, and earlier ones), and drop
+        those copies."""
+        with self._lock:
+            self.quarantined.add(holder)
+        self.sources.forget(holder)
+        self.links.forget(holder)
+        earlier = self.provenance.from_holder(holder)
+        self._drop_later.update(earlier)
+        reported = list(dict.fromkeys([*digests, *earlier.values()]))
+        self._report_holder(holder, reported, evidence)
+        self._drop_pending()
+
+    def _report_holder(self, holder: str, digests: Sequence[bytes], evidence: str) -> None:
+        try:
+            self.client.report_holder(
+                self.worker_id, self.publisher.epoch, holder, digests, evidence
+            )
+        except (ServiceUnavailable, ServiceError) as exc:
+            log.warning("%s: could not report %s (%s)", self.worker_id, holder, exc)
+
+    def follow_quarantine(self) -> None:
+        """Apply the service's quarantine list when it changed: stop copying from the
+        holders in it, report and drop this member's copies of their pages, and drop its
+        copies (from anyone) of pages the list names by digest."""
+        version = self.publisher.quarantine_version
+        if version != self._quarantine_seen:
+            try:
+                holders, tainted = self.client.quarantine()
+            except (ServiceUnavailable, ServiceError) as exc:
+                log.info("%s: no quarantine list (%s)", self.worker_id, exc)
+                return
+            with self._lock:
+                new = set(holders) - self.quarantined
+                self.quarantined = set(holders)
+            for holder in sorted(new):
+                self.sources.forget(holder)
+                self.links.forget(holder)
+                mine = self.provenance.from_holder(holder)
+                if mine:
+                    self._report_holder(holder, list(mine.values()), "copies of its pages")
+                self._drop_later.update(mine)
+            self._drop_later.update(self.provenance.with_digests(set(tainted)))
+            self._quarantine_seen = version
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Drop the pages waiting to go that still hold what they held when copied;
+        those requests hold stay for the next round."""
+        with self._lock:
+            pending, self._drop_later = self._drop_later, {}
+        if not pending:
+            return
+        pages = list(pending)
+        now = dict(zip(pages, self.store.digests(pages), strict=True))
+        self.provenance.prune(now)
+        still = [p for p in pages if now[p] == pending[p]]
+        dropped, held = self.cache.drop(still)
+        if dropped:
+            log.warning("%s dropped %d pages copied from quarantined holders", self.worker_id, dropped)
+            self.dropped_pages += dropped
+        if held:
+            with self._lock:
+                self._drop_later.update({p: pending[p] for p in still})
 
     # -- upkeep ------------------------------------------------------------------------
 
@@ -300,6 +437,7 @@ class MeshMember:
         if self.publisher.up and self.client.circuit_open:
             self.client.reconnect()  # the heartbeat got through: requests may ask again
         self.sources.detach_dead()
+        self.follow_quarantine()
         for name in reclaim_dead_segments():
             log.info("%s reclaimed the segment %s of a dead member", self.worker_id, name)
 
@@ -309,7 +447,13 @@ class MeshMember:
         return self.publisher.heartbeat()
 
     def _report(self) -> WorkerReport:
-        return self.figures.report(self.cache.stats(), self._load())
+        checks = self.spot_checks.figures()
+        load = {
+            **self._load(),
+            "spot_checks": checks["checks"],
+            "spot_check_failures": checks["failures"],
+        }
+        return self.figures.report(self.cache.stats(), load)
 
     def stats(self) -> dict[str, Any]:
         """The member's own figures (a worker's stats add its serving's)."""
@@ -326,6 +470,9 @@ class MeshMember:
             "copy_decisions": dict(self.copy_decisions),  # by reason
             "last_decision": None if self.last_decision is None else self.last_decision._asdict(),
             "link_rates": self.links.snapshot(),
+            "spot_checks": self.spot_checks.figures(),
+            "quarantined": sorted(self.quarantined),
+            "dropped_pages": self.dropped_pages,
         }
 
     def check_integrity(self) -> None:
@@ -334,6 +481,7 @@ class MeshMember:
         self.store.check_integrity()
         self.page_server.check_integrity()
         self.links.check_integrity()
+        self.provenance.check(self.store.layout.num_pages)
 
     def close(self) -> None:
         """Say BYE, stop publishing and serving pages, close every source and client, and

@@ -52,7 +52,7 @@ from workers.api import (
 from workers.member import Membership, MeshMember
 from workers.service.client import ServiceEndpoint, ray_resolver
 from workers.serving import models
-from workers.serving.batch_runner import BatchRunner
+from workers.serving.batch_runner import BatchRunner, Chunk
 from workers.serving.compaction import Compactor
 from workers.serving.loop import ServingLoop
 from workers.serving.model_loader import (
@@ -110,6 +110,7 @@ def membership(settings: WorkerSettings) -> Membership:
         encrypt_pages=settings.encrypt_pages,
         page_readers=settings.page_peers,
         publish_interval_s=settings.publish_interval_s,
+        spot_check_rate=settings.spot_check_rate,
     )
 
 
@@ -370,7 +371,7 @@ class Worker:
             matched, spans = self.member.match(seq.namespace, tokens)
             end = min(matched, len(tokens) - 1) // p
             copied = self.member.copy_in(
-                allocation, tokens, seq.namespace, spans, end, self._decide
+                allocation, tokens, seq.namespace, spans, end, self._decide, self._recompute
             )
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
@@ -381,6 +382,11 @@ class Worker:
                 self.copy_in_failures += 1
             return local
         return max(local, min(copied * p, len(tokens) - 1))
+
+    def _recompute(self, pages: Sequence[int], tokens: Sequence[int], j: int) -> None:
+        """Prompt page j into pages[j], over pages[:j]: a copied page's spot check."""
+        p = self.cache.page_tokens
+        self.batch_runner.forward([Chunk(list(pages[: j + 1]), tokens[j * p : (j + 1) * p], j * p)])
 
     def _decide(self, costs: CopyCosts) -> Decision:
         return self.copy_policy(costs, self.profile)

@@ -10,6 +10,7 @@
 //   tenants    [{tenant, requests, local_hit, remote_hit, computed, hit_rate}]
 //   evictions  {reason: pages}                         over all workers
 //   ttft       {hit: {count, sum, buckets}, miss: {count, sum, buckets}}
+//   quarantined [{holder, reporter, since, evidence}]   members in quarantine
 //
 // Figures per interval come from consecutive history points a, b: rates are
 // (b.x - a.x) / (b.t - a.t). A counter that went down was reset (a restarted worker), so
@@ -84,6 +85,9 @@
     setText("epoch", integer(data.epoch));
     fillTable("workers", workers, "worker", workerCells);
     fillTable("tenants", tenants, "tenant", tokenCells);
+    const quarantined = data.quarantined || [];
+    document.getElementById("quarantine-card").hidden = quarantined.length === 0;
+    fillTable("quarantine", quarantined, "holder", quarantineCells);
     if (!window.Plotly) {
       throw new Error("plotly.js did not load (static/plotly.min.js): the charts are missing");
     }
@@ -315,6 +319,14 @@
       ["pages-free", integer(pages.free)],
       ["pages-cached", integer(pages.cached)],
       ["pages-in-use", integer(pages.in_use)],
+    ];
+  }
+
+  function quarantineCells(row) {
+    return [
+      ["reporter", String(row.reporter)],
+      ["since", new Date(row.since * 1000).toISOString().replace("T", " ").slice(0, 19)],
+      ["evidence", String(row.evidence)],
     ];
   }
 

@@ -283,3 +283,25 @@ def check_stats(value: Any, path: str, limits: Limits) -> dict[str, Any]:
             elif item is not None and kind is not bool and kind is not float:
                 raise bad(where_item, "None, bool, int, float, str, list or map", item)
     return value
+
+
+# Page digests in one bytes value (16 each): what a quarantine taints, bounded.
+DIGEST_BYTES = 16
+MAX_DIGESTS = 1 << 14
+
+
+def check_digests(value: Any, path: str, limits: Limits) -> bytes:
+    """Page digests back to back: bytes, a multiple of 16 long, at most MAX_DIGESTS."""
+    if type(value) is not bytes or len(value) % DIGEST_BYTES:
+        raise bad(path, f"bytes, a multiple of {DIGEST_BYTES} long", value)
+    if len(value) > MAX_DIGESTS * DIGEST_BYTES:
+        raise ProtocolError(
+            TOO_LARGE, f"{path}: {len(value) // DIGEST_BYTES} digests exceeds {MAX_DIGESTS}"
+        )
+    return value
+
+
+def check_ids(value: Any, path: str, limits: Limits) -> tuple[str, ...]:
+    """A list of names (worker ids)."""
+    items = check_list(value, path, limits)
+    return tuple(check_id(item, f"{path}[{i}]", limits) for i, item in enumerate(items))

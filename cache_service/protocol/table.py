@@ -26,7 +26,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
 # tokens pending on each worker (routing estimates each worker's time to first token).
 # 7: ROUTE names the routing policy.
-PROTOCOL_VERSION = 8
+# 8: reports carry the worker's health. 9: spot checks and quarantine (ReportHolder,
+# GetQuarantine; the heartbeat's reply carries the quarantine list's version).
+PROTOCOL_VERSION = 9
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -41,6 +43,8 @@ REPORT_DEAD = "report_dead"
 NAME_TENANT = "name_tenant"
 PEER = "peer"
 PEERS = "peers"
+REPORT_HOLDER = "report_holder"
+QUARANTINE = "quarantine"
 OK = "ok"
 ERROR = "error"
 
@@ -118,6 +122,8 @@ SHM_NAME = Field("shm name", f.check_shm_name)
 PAGE_KEY = Field("page key", f.check_page_key, f.page_key_wire)
 AFTER = Field("after", f.check_after)
 PEER_LIST = Field("peers", check_peers, peers_wire, 2)  # peers / an entry
+DIGESTS = Field("digests", f.check_digests)
+IDS = Field("ids", f.check_ids, list, 1)
 
 
 def _ack(kind: str) -> Body:
@@ -140,7 +146,7 @@ MESSAGES: dict[str, MessageSchema] = {
     ),
     HEARTBEAT: MessageSchema(
         body(m.Heartbeat, HEARTBEAT, worker_id=ID, epoch=COUNT, load=LOAD, report=REPORT),
-        body(m.EpochReply, f"{HEARTBEAT}.reply", service_epoch=COUNT),
+        body(m.EpochReply, f"{HEARTBEAT}.reply", service_epoch=COUNT, quarantine=COUNT),
     ),
     EVENTS: MessageSchema(
         body(m.PublishEvents, EVENTS, worker_id=ID, epoch=COUNT, seq=COUNT, events=EVENT_LIST),
@@ -205,6 +211,24 @@ MESSAGES: dict[str, MessageSchema] = {
     PEERS: MessageSchema(
         body(m.GetPeers, PEERS, after=AFTER),
         body(m.PeerList, f"{PEERS}.reply", peers=PEER_LIST, more=FLAG),
+    ),
+    REPORT_HOLDER: MessageSchema(
+        body(
+            m.ReportHolder,
+            REPORT_HOLDER,
+            worker_id=ID,
+            epoch=COUNT,
+            holder=ID,
+            digests=DIGESTS,
+            evidence=TEXT,
+        ),
+        _ack(REPORT_HOLDER),
+    ),
+    QUARANTINE: MessageSchema(
+        body(m.GetQuarantine, QUARANTINE),
+        body(
+            m.QuarantineList, f"{QUARANTINE}.reply", holders=IDS, digests=DIGESTS, version=COUNT
+        ),
     ),
 }
 ERROR_BODY = body(m.ErrorReply, ERROR, code=ID, message=TEXT)

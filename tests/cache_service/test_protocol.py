@@ -45,6 +45,7 @@ from cache_service.messages import (
     ErrorReply,
     GetPeer,
     GetPeers,
+    GetQuarantine,
     GetStats,
     Heartbeat,
     HolderSpan,
@@ -55,9 +56,11 @@ from cache_service.messages import (
     PeerEntry,
     PeerList,
     PublishEvents,
+    QuarantineList,
     Register,
     Registered,
     ReportDead,
+    ReportHolder,
     Resync,
     ResyncReply,
     Route,
@@ -152,10 +155,12 @@ SAMPLE_REQUESTS = {
     "name_tenant": NameTenant("salt-of-acme", "acme"),
     "peer": GetPeer("w0"),
     "peers": GetPeers("w0"),
+    "report_holder": ReportHolder("w0", 3, "w9", bytes(range(32)), "page 4: error 0.9"),
+    "quarantine": GetQuarantine(),
 }
 SAMPLE_REPLIES = {
     "register": Registered(7, 3),
-    "heartbeat": EpochReply(7),
+    "heartbeat": EpochReply(7, 2),
     "events": ApplyResult(False, True, "seq 41 after 39", 39),
     "resync": ResyncReply(3),
     "match": MatchResult(
@@ -172,6 +177,8 @@ SAMPLE_REPLIES = {
     "name_tenant": Ack(),
     "peer": PEER_ENTRY,
     "peers": PeerList((PEER_ENTRY, PEER_ENTRY._replace(worker_id="w1", page_key=None)), True),
+    "report_holder": Ack(),
+    "quarantine": QuarantineList(("w8", "w9"), bytes(16), 3),
 }
 GOOD_MATCH = Message(MATCH, 99, SAMPLE_REQUESTS["match"])
 GOOD_FRAME = encode(GOOD_MATCH)
@@ -342,7 +349,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 8  # 8: a WorkerReport carries the worker's health
+    assert PROTOCOL_VERSION == 9  # 9: spot checks and quarantine
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -578,10 +585,19 @@ REQUEST_BODIES = {
     "name_tenant": st.builds(NameTenant, salt=names, name=names),
     "peer": st.builds(GetPeer, worker_id=names),
     "peers": st.builds(GetPeers, after=st.text(max_size=12)),
+    "report_holder": st.builds(
+        ReportHolder,
+        worker_id=names,
+        epoch=counts,
+        holder=names,
+        digests=st.binary(max_size=4).map(lambda b: b * 16),
+        evidence=st.text(max_size=20),
+    ),
+    "quarantine": st.builds(GetQuarantine),
 }
 REPLY_BODIES = {
     "register": st.builds(Registered, service_epoch=counts, epoch=counts),
-    "heartbeat": st.builds(EpochReply, service_epoch=counts),
+    "heartbeat": st.builds(EpochReply, service_epoch=counts, quarantine=counts),
     "events": st.builds(
         ApplyResult,
         applied=st.booleans(),
@@ -611,6 +627,13 @@ REPLY_BODIES = {
     "peer": peer_entries,
     "peers": st.builds(
         PeerList, peers=st.lists(peer_entries, max_size=4).map(tuple), more=st.booleans()
+    ),
+    "report_holder": st.builds(Ack),
+    "quarantine": st.builds(
+        QuarantineList,
+        holders=st.lists(names, max_size=3).map(tuple),
+        digests=st.binary(max_size=2).map(lambda b: b * 16),
+        version=counts,
     ),
 }
 
@@ -893,6 +916,20 @@ INVALID = {
         ANY_OTHER.filter(lambda v: not isinstance(v, list) or v),
         st.sampled_from(BAD_PEER_ENTRIES).map(lambda entry: [entry]),
         st.sampled_from(BAD_PEER_ENTRIES).map(lambda entry: [GOOD_PEER_ENTRY, entry]),
+    ),
+    "digests": st.one_of(
+        st.binary(max_size=40).filter(lambda b: len(b) % 16),
+        st.just(bytes(16 * ((1 << 14) + 1))),
+        st.text(max_size=3),
+        st.none(),
+        wire_ints,
+    ),
+    "ids": st.one_of(
+        st.lists(st.sampled_from(["", LONG_NAME]), min_size=1, max_size=2),
+        st.lists(wire_ints, min_size=1, max_size=2),
+        st.text(max_size=3),
+        st.none(),
+        wire_ints,
     ),
     "text": st.one_of(
         st.just("x" * 5000),
@@ -1289,7 +1326,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=5), BAD_VERSION),  # the version before load reports
         (raw_frame(MATCH, {}, v=6), BAD_VERSION),  # the version before routing policies
         (raw_frame(MATCH, {}, v=7), BAD_VERSION),  # the version before health in reports
-        (raw_frame(MATCH, {}, v=9), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before spot checks
+        (raw_frame(MATCH, {}, v=10), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

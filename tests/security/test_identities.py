@@ -128,7 +128,7 @@ def test_epochs_are_issued_by_the_service(rig):
         client.heartbeat("w0", stale)
     reply = client.publish_events("w0", stale, 1, [AllCleared()])
     assert (reply.applied, reply.needs_resync, reply.reason) == (False, True, "epoch_mismatch")
-    assert client.heartbeat("w0", second.epoch) == rig.server.epoch
+    assert client.heartbeat("w0", second.epoch).service_epoch == rig.server.epoch
 
 
 def test_a_bye_with_another_epoch_leaves_the_worker_alone(rig):

@@ -39,7 +39,7 @@ The trie itself (runs, namespaces, exact matching) is described in `runs.py` and
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from cache_service.events import AllCleared, KvEvent, Namespace, PagesRemoved, PagesStored
 from cache_service.tokens import pack_tokens
@@ -181,6 +181,64 @@ class PrefixCache:
             elif removed:
                 self._events.append(PagesRemoved(tuple(removed), "cleared"))
             return len(removed)
+
+    def drop(self, pages: Iterable[int], reason: str = "quarantined") -> tuple[int, int]:
+        """Take published `pages` off the trie, with every page after them in their chains
+        (their KV was computed over them): the copies of a holder found serving pages that
+        do not hold what they claim. Announced as PagesRemoved(reason), leaf first.
+
+        A page that a live request holds (it or a page after it) stays until the request
+        releases it; the caller asks again later.
+
+        Returns:
+            (pages dropped, pages of `pages` kept for now because requests hold them).
+        """
+        wanted = set(pages)
+        with self._lock:
+            starts: dict[Run, int] = {}
+            for run in self._trie.published_runs():
+                for i, page in enumerate(run.pages):
+                    if page in wanted:
+                        starts[run] = min(i, starts.get(run, i))
+                        break
+            removed: list[int] = []
+            held = 0
+            for run, i in starts.items():
+                if not run.alive or i >= len(run.pages):
+                    continue  # already dropped with a run before it
+                below = _runs_below(run)
+                if run.ref_count or any(r.ref_count or not r.ready for r in below):
+                    held += 1
+                    continue
+                removed += self._drop_from(run, i, below)
+            if removed:
+                self._allocator.free(removed)
+                self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(
+                    removed
+                )
+                self._events.append(PagesRemoved(tuple(removed), reason))
+            return len(removed), held
+
+    def _drop_from(self, run: Run, i: int, below: list[Run]) -> list[int]:
+        """Unreferenced `run` from its page i on, and the runs `below` it (deepest first):
+        off the trie and out of the evictable count; returns their pages, leaf first."""
+        trie, evictor = self._trie, self._evictor
+        removed: list[int] = []
+        for child in below:
+            removed.extend(reversed(child.pages))
+            evictor.num_evictable -= len(child.pages)
+            trie.remove_run(child)
+        removed.extend(reversed(run.pages[i:]))
+        evictor.num_evictable -= len(run.pages) - i
+        if i:
+            trie.trim(run, i)
+            evictor.push(run)  # its new last page: a leaf, ranked as one
+            return removed
+        parent = run.parent
+        trie.remove_run(run)
+        if parent.parent is not None and parent.ref_count == 0 and not parent.children:
+            evictor.push(parent)
+        return removed
 
     def take_events(self) -> list[KvEvent]:
         """Drain the KV events (stored / removed / cleared) emitted since the last call."""
@@ -447,3 +505,14 @@ class PrefixCache:
         digests as `workers.cache.integrity.check_cache` lists them."""
         with self._lock:
             check_cache(self._allocator, self._trie, self._evictor, self._live.values())
+
+
+def _runs_below(run: Run) -> list[Run]:
+    """Every run under `run`, children after their descendants (deepest first)."""
+    order: list[Run] = []
+    stack = list(run.iter_children())
+    while stack:
+        child = stack.pop()
+        order.append(child)
+        stack.extend(child.iter_children())
+    return order[::-1]

@@ -34,8 +34,10 @@ from cache_service.messages import (
     EMPTY_REPORT,
     ApplyResult,
     Bye,
+    EpochReply,
     GetPeer,
     GetPeers,
+    GetQuarantine,
     GetStats,
     Heartbeat,
     Match,
@@ -47,6 +49,7 @@ from cache_service.messages import (
     Registered,
     Reply,
     ReportDead,
+    ReportHolder,
     Request,
     Resync,
     Route,
@@ -54,6 +57,7 @@ from cache_service.messages import (
     WorkerReport,
 )
 from cache_service.protocol import Message, ProtocolError
+from cache_service.protocol.fields import MAX_DIGESTS
 from cache_service.routing import DEFAULT_POLICY
 from cache_service.tokens import TokenInput
 
@@ -249,14 +253,15 @@ class ServiceClient:
 
     def heartbeat(
         self, worker_id: str, epoch: int, load: float = 0.0, report: WorkerReport = EMPTY_REPORT
-    ) -> int:
-        """Mark this worker alive, with its load and figures; returns the service's epoch.
+    ) -> EpochReply:
+        """Mark this worker alive, with its load and figures; returns the service's epoch
+        and its quarantine list's version.
 
         Raises:
             ServiceError: code "unknown_worker" when the service does not know this
                 incarnation (it restarted or expired us): register and resync.
         """
-        return self.call(Heartbeat(worker_id, epoch, float(load), report)).service_epoch
+        return self.call(Heartbeat(worker_id, epoch, float(load), report))
 
     def publish_events(
         self, worker_id: str, epoch: int, seq: int, events: Sequence[KvEvent]
@@ -341,6 +346,21 @@ class ServiceClient:
     def report_dead(self, worker_id: str) -> None:
         """(Front door) a worker died: the service drops it and its holdings at once."""
         self.call(ReportDead(worker_id))
+
+    def report_holder(
+        self, worker_id: str, epoch: int, holder: str, digests: Sequence[bytes], evidence: str
+    ) -> None:
+        """Report `holder` for pages that failed a spot check (or copies of a quarantined
+        holder's pages dropped here), with the digests of the pages copied from it (at
+        most MAX_DIGESTS: the first ones)."""
+        packed = b"".join(bytes(d) for d in digests[:MAX_DIGESTS])
+        self.call(ReportHolder(worker_id, epoch, holder, packed, evidence[:1024]))
+
+    def quarantine(self) -> tuple[tuple[str, ...], list[bytes]]:
+        """(holders in quarantine, digests of the pages copied from them)."""
+        reply = self.call(GetQuarantine())
+        raw = reply.digests
+        return reply.holders, [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
     def name_tenant(self, salt: str, name: str) -> None:
         """(Front door) the service shows `salt`'s statistics under `name`."""

@@ -81,6 +81,7 @@ class EventPublisher:
         self.epoch = 0  # issued by the service at registration; 0: not registered
         self.seq = 0
         self.service_epoch: int | None = None
+        self.quarantine_version = 0  # of the service's quarantine list, as last heard
         self.resyncs = 0
         self.batches = 0
         self._needs_sync = True  # nothing registered yet
@@ -119,7 +120,8 @@ class EventPublisher:
         load, report = self._load(), self._report()
         with self._lock:
             try:
-                epoch = self.client.heartbeat(self.worker_id, self.epoch, load, report)
+                reply = self.client.heartbeat(self.worker_id, self.epoch, load, report)
+                epoch, self.quarantine_version = reply.service_epoch, reply.quarantine
             except ServiceUnavailable:
                 self._needs_sync = True
                 self.up = False

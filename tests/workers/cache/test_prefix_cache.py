@@ -392,3 +392,26 @@ def test_check_integrity_catches_a_wrong_or_stray_digest():
     pool.bump_generation(held.pages[1])  # rewritten: cleared
     held.release()
     cache.check_integrity()
+
+
+def test_drop_takes_a_page_and_every_page_after_it_once_no_request_holds_them():
+    cache, pool = make_cache(num_pages=32)
+    run_request(cache, pool, make_tokens((0, 16)))  # pages 0-3, one run
+    run_request(cache, pool, make_tokens((0, 8), (200, 8)))  # a branch after page 1: 4, 5
+    run_request(cache, pool, make_tokens((500, 8)))  # another chain: 6, 7
+    cache.take_events()
+    held = cache.acquire(make_tokens((0, 8), (200, 9)), NS)  # holds pages 0, 1, 4, 5
+    assert cache.drop([1]) == (0, 1)  # a request holds page 1: nothing goes yet
+    assert cache.take_events() == []
+    assert cache.drop([2]) == (2, 0)  # page 2 and page 3 after it
+    assert cache.take_events() == [PagesRemoved((3, 2), "quarantined")]
+    held.release()
+    assert cache.drop([1]) == (3, 0)  # page 1 and what hangs under it: the branch 4, 5
+    assert cache.take_events() == [PagesRemoved((5, 4, 1), "quarantined")]
+    assert cache.match_length(make_tokens((0, 16)), NS) == 4  # page 0 is still there
+    assert cache.match_length(make_tokens((500, 8)), NS) == 8
+    stats = cache.stats()
+    assert stats["evictions"]["quarantined"] == 5
+    assert (stats["cached_pages"], stats["in_use_pages"]) == (3, 0)
+    assert cache.evict(32) == 3  # what is left is evictable as ever
+    cache.check_integrity()
