@@ -12,6 +12,8 @@ through the actor's `__ray_call__` (`install`), in process it is called on the w
     nan_logits(worker, n)       the next n forward passes return NaN logits
     loop_failure(worker)        the scheduler raises once: the serving loop dies
     slow_service(worker, s)     the service answers each match s late (a slow service)
+    poison(worker, salt, a, b)  its pages of prompt a hold prompt b's KV (a bad member;
+                                not undone by heal: the store's bytes are changed)
     heal(worker)                every fault above removed
 
 Each returns what the caller may watch (the slowed sources), and `heal` puts the parts
@@ -28,7 +30,7 @@ from typing import Any
 
 # Names of the fault installers `install` runs (in a worker's process).
 FAULTS = ("slow_peer", "slow_passes", "failing_passes", "nan_logits", "loop_failure",
-          "slow_service", "heal")  # fmt: skip
+          "slow_service", "poison", "heal")  # fmt: skip
 
 
 class InjectedFault(RuntimeError):
@@ -164,6 +166,26 @@ def slow_service(worker: Any, seconds: float) -> None:
     _replace(worker.member.client, "match", wrap)
 
 
+def poison(worker: Any, salt: str, victim: list[int], source: list[int]) -> int:
+    """The worker's cached pages of prompt `victim` (tenant salt `salt`) hold prompt
+    `source`'s KV from now on, their generations and recorded digests untouched: a member
+    serving pages that are not what it claims. Both prompts must be cached in full pages
+    there; returns the pages poisoned."""
+    from cache_service.events import Namespace
+
+    namespace = Namespace(worker.model_name, "", salt)
+    cache, store = worker.cache, worker.store
+    held = [cache.acquire(list(tokens), namespace) for tokens in (victim, source)]
+    try:
+        n = min(a.cached_tokens for a in held) // cache.page_tokens
+        for dst, src in zip(held[0].pages[:n], held[1].pages[:n], strict=True):
+            store.page(dst).copy_(store.page(src))  # the bytes alone, behind the store's back
+        return n
+    finally:
+        for allocation in held:
+            allocation.release()
+
+
 def heal(worker: Any) -> None:
     """Every fault removed: the parts are as they were."""
     for owner in (worker.member.sources, worker.batch_runner, worker.scheduler,
@@ -183,5 +205,5 @@ def install(handle: Any, fault: str, *args: Any) -> Any:
     return handle.__ray_call__.remote(_in_worker, fault, *args)
 
 
-def _in_worker(worker: Any, fault: str, *args: Any) -> None:
-    globals()[fault](worker, *args)
+def _in_worker(worker: Any, fault: str, *args: Any) -> Any:
+    return globals()[fault](worker, *args)

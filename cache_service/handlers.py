@@ -246,10 +246,12 @@ class RequestHandlers:
         return result
 
     def _route(self, request: Route) -> RouteDecision:
+        # A member in quarantine takes no requests: its own cache may hold the poison.
+        loads = {w: n for w, n in request.loads.items() if not self.quarantine.holds(w)}
         return self.index.route(
             request.namespace,
             request.tokens,
-            request.loads,
+            loads,
             request.pending,
             self.reports.loads(),
             request.policy,

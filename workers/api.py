@@ -255,6 +255,9 @@ class WorkerStats:
     attached: tuple[str, ...]  # peers' stores mapped here, by name
     copy: Mapping[str, Any] = field(default_factory=dict)
     serving: Mapping[str, Any] = field(default_factory=dict)  # ServingHealth's fields
+    # Spot checks of copies (checks, failures, ...), the holders in quarantine as this
+    # worker follows the list, and its copies of their pages dropped.
+    trust: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

@@ -62,10 +62,10 @@ from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT, TransferAuth
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 from workers.transfer.spot_check import (
     SPOT_CHECK_RATE,
-    TOLERANCE,
     Provenance,
     SpotChecks,
     kv_error,
+    tolerance,
 )
 
 # (the allocation's pages, the prompt, j): computes prompt page j into pages[j] over
@@ -193,7 +193,7 @@ class MeshMember:
         encrypted = self.auth is not None and self.auth.encrypt
         self.links = measure_links(layout.page_bytes, encrypted)
         self._lock = threading.Lock()
-        self.spot_checks = SpotChecks(membership.spot_check_rate)
+        self.spot_checks = SpotChecks(membership.spot_check_rate, tolerance(layout.dtype))
         self.provenance = Provenance()  # which copied page came from which holder
         self.quarantined: set[str] = set()  # holders not copied from (the service's list)
         self._quarantine_seen = 0  # the version of that list applied here
@@ -346,7 +346,7 @@ class MeshMember:
                 continue
             log.warning(
                 "%s: prompt page %d copied from %s failed its spot check (error %.3g > %g)",
-                self.worker_id, sample.page, sample.holder, verdict.error, TOLERANCE,
+                self.worker_id, sample.page, sample.holder, verdict.error, self.spot_checks.limit,
             )  # fmt: skip
             if not sample.attributable:
                 self.spot_checks.distrust(h for h, _, _ in ranges)
@@ -354,7 +354,7 @@ class MeshMember:
             lo, hi = next((lo, hi) for h, lo, hi in ranges if h == sample.holder)
             evidence = (
                 f"prompt page {sample.page} differed from its recomputation by "
-                f"{verdict.error:.3g} of its magnitude (tolerance {TOLERANCE})"
+                f"{verdict.error:.3g} of its magnitude (tolerance {self.spot_checks.limit})"
             )
             self._quarantine_locally(sample.holder, expected[lo:hi], evidence)
             return False

@@ -508,6 +508,11 @@ class Worker:
                 "failures": self.copy_in_failures,
             },
             serving=dataclasses.asdict(self.health()),
+            trust={
+                **member["spot_checks"],
+                "quarantined": member["quarantined"],
+                "dropped_pages": member["dropped_pages"],
+            },
         )
 
     def check_integrity(self) -> None:

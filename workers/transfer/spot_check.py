@@ -10,18 +10,22 @@ sample of what it copies and compares the KV (`SpotChecks`):
   copy with probability `rate`;
 - a check recomputes one copied page j of the holder, with the model, over the pages
   before it as context (one page of tokens, about a decode step's cost), and compares it
-  with the copied page j within `TOLERANCE`;
+  with the copied page j within the tolerance of the pages' dtype (`TOLERANCES`);
 - a page that fails blames its holder only when every page of its context is this
   member's own or the same holder's, or comes from holders checked before: a poisoned
   earlier holder would otherwise make an honest later one fail. An unattributed failure
   makes every holder of the copy unchecked again, so its next copy is checked.
 
-The tolerance: a page recomputed alone against the same page computed in a batch, in
-the model's dtype, differs by the order of summation only. Measured on SmolLM2-135M in
-float32 (tests/workers/transfer/test_spot_check.py): honest recomputations differ by at
-most ~1e-5 of the page's largest magnitude; a page of another prompt (even one differing
-by one token in its context) by 1e-2 to 1. bfloat16 rounds at 2^-8 (4e-3). 0.05 sits
-well above the second and below what a different prompt gives.
+The tolerance: a page recomputed alone against the same page computed in a batch differs
+by the order of summation only. Measured on SmolLM2-135M in float32
+(tests/workers/serving/test_spot_check.py), as the largest difference over the page's
+largest magnitude: honest recomputations 1e-6 to 2e-6; a page of a prompt one token
+apart 30 tokens earlier 0.036 to 0.12; a page of an unrelated prompt 0.8 to 1.2. So
+float32 takes 1e-3 (500x the honest error, 35x below the nearest poison). Half precision
+rounds each value at 2^-8 (bfloat16) or 2^-11 (float16) of its magnitude, and the
+differences of summation order grow with it: their tolerances are 30x those roundings,
+still below the prompt one token apart in bfloat16 only narrowly (a poisoner that close
+to the right KV changes little).
 
 `Provenance` remembers which copied page came from which holder, with its digest, so
 when a holder is quarantined its pages are dropped here (and the digests reported, so
@@ -40,7 +44,18 @@ if TYPE_CHECKING:
     import torch
 
 SPOT_CHECK_RATE = 0.25  # of copies from holders checked before; see the module docstring
-TOLERANCE = 0.05  # largest |copied - recomputed| over the page's largest |recomputed|
+# Largest |copied - recomputed| over the page's largest |recomputed|, by the pages' dtype.
+TOLERANCES = {"float32": 1e-3, "float16": 1.5e-2, "bfloat16": 3e-2}
+
+
+def tolerance(dtype: str) -> float:
+    """The spot checks' tolerance for pages of `dtype` (an unknown dtype raises: a guess
+    would either pass poison or fail honest pages)."""
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        known = sorted(TOLERANCES)
+        raise ValueError(f"no spot-check tolerance for {dtype!r}; known: {known}") from None
 _MAX_TRUSTED = 4096  # holders remembered as checked (the oldest is checked again)
 
 
@@ -81,16 +96,23 @@ class SpotChecks:
     Args:
         rate: the probability a copy from a holder checked before is checked (0: only
             the first copy from each holder; 1: every copy).
+        limit: the largest error a page passes with (`tolerance(dtype)`).
         seed: the sampler's seed (None: random).
 
     Raises:
         ValueError: a rate outside [0, 1].
     """
 
-    def __init__(self, rate: float = SPOT_CHECK_RATE, seed: int | None = None):
+    def __init__(
+        self,
+        rate: float = SPOT_CHECK_RATE,
+        limit: float = TOLERANCES["float32"],
+        seed: int | None = None,
+    ):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"spot check rate must be in [0, 1], got {rate}")
         self.rate = rate
+        self.limit = limit
         self._rng = random.Random(seed)
         self._trusted: OrderedDict[str, None] = OrderedDict()  # holders checked, passing
         self._lock = threading.Lock()
@@ -116,7 +138,7 @@ class SpotChecks:
     def judged(self, sample: Sample, error: float) -> Verdict:
         """Record a check's outcome; a passing one trusts its holder, a failing
         unattributed one makes every holder before it unchecked again."""
-        verdict = Verdict(sample, error, error <= TOLERANCE)
+        verdict = Verdict(sample, error, error <= self.limit)
         with self._lock:
             self.checks += 1
             if verdict.passed:
