@@ -103,6 +103,34 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    import time
+
+    import ray
+
+    from cache_service.actor import get_service
+    from cluster import launch
+
+    with launch.attached(args.address):
+        service = get_service()
+        if args.clear:
+            if not ray.get(service.clear_quarantine.remote(args.clear)):
+                print(f"kvmesh quarantine: {args.clear!r} is not in quarantine", file=sys.stderr)
+                return 1
+            print(f"{args.clear} may register again")
+            return 0
+        records = ray.get(service.quarantined.remote())
+    if args.json:
+        print(json.dumps(records, sort_keys=True))
+    elif not records:
+        print("no member is in quarantine")
+    for record in [] if args.json else records:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["since"]))
+        print(f"{record['holder']}: reported by {record['reporter']} at {since}")
+        print(f"  {record['evidence']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh", description="A distributed, prefix-sharing KV-cache service on Ray."
@@ -148,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--address", help=address_help)
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.set_defaults(func=cmd_top)
+    quarantine = commands.add_parser(
+        "quarantine",
+        help="members whose pages failed a spot check (refused until cleared); --clear one",
+    )
+    quarantine.add_argument("--address", help=address_help)
+    quarantine.add_argument("--clear", metavar="WORKER", help="let this member register again")
+    quarantine.add_argument("--json", action="store_true", help="print one JSON list")
+    quarantine.set_defaults(func=cmd_quarantine)
     replay = commands.add_parser(
         "replay", help="replay a Mooncake trace through the real index and local caches"
     )

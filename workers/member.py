@@ -51,7 +51,7 @@ from workers.service.client import (
 )
 from workers.service.figures import WorkerFigures
 from workers.service.publisher import EventPublisher
-from workers.store.digests import page_digests
+from workers.store.digests import EMPTY_DIGEST, page_digests
 from workers.store.layout import StoreLayout
 from workers.store.page_store import SharedPageStore
 from workers.store.segment_names import reclaim_dead_segments, worker_tag
@@ -232,6 +232,18 @@ class MeshMember:
         """The mesh's members as the front door knows them. A peer left out (dead, or
         gone) is forgotten: its store is detached, its page client closed."""
         for peer in self.peers.tell(peers):
+            self.forget_peer(peer)
+
+    def learn_peers(self, peers: Iterable[PeerInfo]) -> None:
+        """Entries looked up elsewhere (an engine's scheduler side); a peer registered
+        again since the entry held here has its old store detached, its client closed."""
+        for peer in self.peers.learn(peers):
+            self.forget_peer(peer)
+
+    def forget_peer(self, peer: PeerInfo | None) -> None:
+        """Detach `peer`'s store and close its page client (the next copy opens new ones
+        from its current entry)."""
+        if peer is not None:
             self.sources.forget(peer.worker_id)
             self.links.forget(peer.worker_id)
 
@@ -311,6 +323,7 @@ class MeshMember:
             if refused:
                 with self._lock:
                     self.copies_refused += refused
+                self.forget_peer(self.peers.stale(result.task.holder))
             elif result.valid:  # a refused page may never have moved: no rate from it
                 self.links.observe(result.task.holder, remote, nbytes, result.seconds)
         end = outcome.end
@@ -420,11 +433,14 @@ class MeshMember:
         still = [p for p in pages if now[p] == pending[p]]
         dropped, held = self.cache.drop(still)
         if dropped:
-            log.warning("%s dropped %d pages copied from quarantined holders", self.worker_id, dropped)
+            log.warning("%s dropped %d copied pages of quarantined holders", self.worker_id, dropped)
             self.dropped_pages += dropped
-        if held:
+        # Pages a request holds, or has not published yet (its copy landed before the
+        # list changed), are tried again next round; a freed one until it is reused.
+        later = [p for p in pages if now[p] == EMPTY_DIGEST or (held and now[p] == pending[p])]
+        if later:
             with self._lock:
-                self._drop_later.update({p: pending[p] for p in still})
+                self._drop_later.update({p: pending[p] for p in later})
 
     # -- upkeep ------------------------------------------------------------------------
 
@@ -505,4 +521,6 @@ def look_up_peer(client: ServiceClient, worker_id: str) -> PeerInfo | None:
     if entry is None:
         return None
     log.info("found peer %s in the service's registry", worker_id)
-    return PeerInfo(worker_id, entry.node_id, entry.shm_name, entry.address, entry.page_key)
+    return PeerInfo(
+        worker_id, entry.node_id, entry.shm_name, entry.address, entry.page_key, entry.epoch
+    )

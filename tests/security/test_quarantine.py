@@ -12,6 +12,7 @@ its copies of the holder's pages.
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 import cluster
@@ -101,3 +102,53 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
         mesh.check_integrity()
     finally:
         mesh.shutdown()
+
+
+# ---- the service's side, over real sockets -------------------------------------------
+
+
+def test_a_report_quarantines_a_holder_until_the_operator_clears_it(rig):
+    from cache_service.quarantine import MAX_ACCUSATIONS
+    from tests.security.service_rig import NS, serve
+    from workers.service.client import ServiceError
+
+    caches = {w: rig.worker(w) for w in ("w0", "w1", "w2")}
+    serve(caches["w0"][0], list(range(16)))
+    assert caches["w0"][1].heartbeat()
+    front = rig.client("front_door")
+    assert front.match(NS, list(range(16))).matched_tokens == 16
+    w1 = rig.client("w1")
+    epoch = caches["w1"][1].epoch
+    digests = [bytes([i]) * 16 for i in range(3)]
+    if rig.auth:  # without keys anyone speaks as anyone
+        with pytest.raises(ServiceError, match="forbidden"):
+            rig.client("w2").report_holder("w1", epoch, "w0", digests, "as someone else")
+    with pytest.raises(ServiceError, match="forbidden|not registered"):
+        rig.client("w2").report_holder("ghost", 1, "w0", digests, "an unknown reporter")
+    assert front.quarantine() == ((), [])  # nothing changed
+
+    w1.report_holder("w1", epoch, "w0", digests, "page 3: error 0.8")
+    assert front.quarantine() == (("w0",), digests)
+    assert front.match(NS, list(range(16))).matched_tokens == 0  # its holdings left
+    assert caches["w1"][1].client.heartbeat("w1", epoch).quarantine >= 1  # members learn
+    with pytest.raises(ServiceError, match="in quarantine") as refused:
+        rig.client("w0").register("w0", "node-1", "cpu", "")
+    assert refused.value.code == "quarantined"
+    # Its own and a quarantined member's reports count for nothing; a reporter's
+    # accusations are bounded.
+    with pytest.raises(ServiceError, match="not registered"):
+        rig.client("w0").report_holder("w0", caches["w0"][1].epoch, "w2", digests, "revenge")
+    w1.report_holder("w1", epoch, "w1", digests, "itself")
+    assert front.quarantine()[0] == ("w0",)
+    for i in range(MAX_ACCUSATIONS + 2):
+        w1.report_holder("w1", epoch, f"w{9 + i}", [], "spree")
+    assert len(front.quarantine()[0]) == MAX_ACCUSATIONS  # w0 and one more
+    stats = front.stats()["quarantine"]
+    assert stats["refused"] == 4 and stats["members"][0]["reporter"] == "w1"
+    # No request is routed to a member in quarantine.
+    decision = front.route(NS, list(range(16)), {"w0": 0.0, "w1": 9.0}, {})
+    assert decision.worker_id == "w1"
+
+    assert rig.server.clear_quarantine("w0") and not rig.server.clear_quarantine("w0")
+    assert rig.client("w0").register("w0", "node-1", "cpu", "").epoch > 0
+    rig.server.check_integrity()

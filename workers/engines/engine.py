@@ -206,7 +206,7 @@ class EngineCache:
         have, end = allocation.cached_tokens // p, spec.end * self.pages_per_block
         if have >= end:
             return end
-        self.member.peers.learn(spec.peers)  # looked up by the scheduler side just now
+        self.member.learn_peers(spec.peers)  # looked up by the scheduler side just now
         return self.member.copy_in(allocation, spec.tokens, spec.namespace, spec.spans, end)
 
     def stats(self) -> dict[str, Any]:

@@ -29,6 +29,9 @@ class PeerInfo(NamedTuple):
     shm_name: str  # its page store's shared-memory segment (peers on its node attach it)
     page_address: str  # its page server (peers on other nodes fetch from it)
     page_key: bytes | None  # its page server's CurveZMQ public key (None: no auth)
+    # The registration it came from (the service's epoch for that incarnation; 0: told
+    # by the front door, which tells every change itself). A newer one replaces it.
+    epoch: int = 0
 
 
 class Peers:
@@ -66,14 +69,32 @@ class Peers:
             self._told = new
         return gone
 
-    def learn(self, peers: Iterable[PeerInfo]) -> None:
+    def learn(self, peers: Iterable[PeerInfo]) -> list[PeerInfo]:
         """Entries someone else looked up (a vLLM engine's scheduler side): kept as a
-        lookup's are, for ttl_s."""
+        lookup's are, for ttl_s; one older than the entry held (a lower epoch: the peer
+        registered again since) is ignored. Returns the entries replaced by another
+        registration's, whose sources must go."""
         now = time.monotonic()
+        replaced = []
         with self._lock:
             for peer in peers:
-                if peer.worker_id != self.me and peer.worker_id not in self._told:
-                    self._found[peer.worker_id] = (now, peer)
+                if peer.worker_id == self.me or peer.worker_id in self._told:
+                    continue
+                held = self._found.get(peer.worker_id)
+                if held is not None and held[1].epoch > peer.epoch:
+                    continue
+                if held is not None and held[1] != peer:
+                    replaced.append(held[1])
+                self._found[peer.worker_id] = (now, peer)
+        return replaced
+
+    def stale(self, worker_id: str) -> PeerInfo | None:
+        """Forget a looked-up entry now (copies from it were refused: the peer may have
+        registered again, with another store); the next `get` asks the registry. Returns
+        the entry forgotten."""
+        with self._lock:
+            found = self._found.pop(worker_id, None)
+        return None if found is None else found[1]
 
     def get(self, worker_id: str) -> PeerInfo | None:
         """The entry of `worker_id`: as told, as looked up within ttl_s, or looked up now

@@ -57,6 +57,7 @@ def tolerance(dtype: str) -> float:
         known = sorted(TOLERANCES)
         raise ValueError(f"no spot-check tolerance for {dtype!r}; known: {known}") from None
 _MAX_TRUSTED = 4096  # holders remembered as checked (the oldest is checked again)
+_EMPTY = bytes(16)  # the digest a page records before it is published (EMPTY_DIGEST)
 
 
 class Sample(NamedTuple):
@@ -195,12 +196,14 @@ class Provenance:
             return {p: d for p, (_, d) in self._origin.items() if d in digests}
 
     def prune(self, current: dict[int, bytes]) -> None:
-        """Forget pages whose digest now (`current`: page -> digest) is not the one they
-        landed with (freed or rewritten since)."""
+        """Forget pages whose digest now (`current`: page -> digest) is another one than
+        they landed with (rewritten since). An empty digest is a page not published yet
+        (its request still runs) or freed: kept, since a freed page that is reused is
+        rewritten and a published one records its digest."""
         with self._lock:
             for page, digest in current.items():
                 entry = self._origin.get(page)
-                if entry is not None and entry[1] != digest:
+                if entry is not None and digest != _EMPTY and entry[1] != digest:
                     del self._origin[page]
 
     def __len__(self) -> int:
