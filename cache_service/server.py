@@ -80,6 +80,8 @@ class ServerConfig:
     metrics_host: str | None = "127.0.0.1"
     metrics_port: int = 0
     metrics_token: str = ""
+    # Whether clients without a token see figures by tenant (see cache_service.web).
+    metrics_show_tenants: bool = False
     # How often the loop publishes a fresh metrics snapshot.
     metrics_interval_s: float = 1.0
 
@@ -224,6 +226,7 @@ class ServiceServer:
                 self.config.metrics_port,
                 self.config.metrics_token,
                 dashboard=self._collector.dashboard,
+                show_tenants=self.config.metrics_show_tenants,
             )
             self._web.start()
         self.index.hand_off()  # the loop thread takes it on its first call

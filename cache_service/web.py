@@ -15,23 +15,45 @@ config's `authorization: {credentials: ...}`); a browser brings it once as `?tok
 requests after that. Requests are served by a thread each (ThreadingHTTPServer), never by
 the service's loop thread, and read only what the loop published (see
 cache_service.metrics).
+
+Who sees what. With a token set, only its holders are served, and they see everything.
+Without one (loopback only), any user of this machine can connect: by default such a
+client sees the tenant-free summary, the mesh's and each worker's figures with every
+figure by tenant summed over tenants (/metrics loses its `tenant` label, /api/dashboard's
+"tenants" is empty), so no tenant's name or traffic shows; `show_tenants`
+(service.metrics_show_tenants) shows them the tenant rows too.
+
+Every client is served within bounded time, whatever others do (a slowloris sending a
+header line a second on 16 connections once made every scrape fail): a connection has
+HEADER_DEADLINE_S for its request line and headers, then it is dropped; at most
+MAX_CONNECTIONS_PER_CLIENT connections per client address and MAX_CONNECTIONS in all are
+open, and a connection past either limit drops the oldest connection still sending its
+headers (of its own address, or of the address holding the most), so slow clients make
+room for whoever sends a request at once, as a scraper does. It is refused only when
+every connection is already being answered.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import hmac
 import importlib.resources
 import ipaddress
 import json
 import logging
+import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 from cache_service.addresses import check_bind_host
 
@@ -72,6 +94,8 @@ class WebServer:
             JSON-serialisable dict (see cache_service/dashboard/dashboard.js for the
             fields), called on the HTTP thread, so it must only read published data.
             None: /api/dashboard is 404 and the page shows that it has no data.
+        show_tenants: whether clients are shown figures by tenant when no token is set
+            (with a token, its holders always are).
     Raises:
         ValueError: a wildcard host, or no token for a host beyond loopback.
     """
@@ -83,6 +107,7 @@ class WebServer:
         port: int = 0,
         token: str = "",
         dashboard: Callable[[], dict[str, Any]] | None = None,
+        show_tenants: bool = False,
     ):
         check_bind_host(host, "metrics host")
         if not token and not _is_loopback(host):
@@ -93,6 +118,8 @@ class WebServer:
         self.registry = registry
         self.token = token
         self.dashboard = dashboard
+        # Admitted with a token set means holding it.
+        self.shows_tenants = bool(token) or show_tenants
         self._httpd = _BoundedHTTPServer((host, port), _handler(self))
         self._thread: threading.Thread | None = None
 
@@ -151,9 +178,16 @@ class WebServer:
         return any(hmac.compare_digest(value.encode(), expected) for value in values)
 
 
-# Requests served at once; more are closed unanswered. A client that sends nothing is
-# dropped after REQUEST_TIMEOUT_S, so no one holds a slot for long.
-MAX_CONNECTIONS = 16
+# Connections open at once, in all and per client address. 32 threads are cheap; one
+# address (a Prometheus, a browser's few parallel fetches) needs a handful, and on loopback
+# every local client shares 127.0.0.1, so the per-address limit is where slow clients are
+# dropped to make room, not a quota that shuts a scraper out.
+MAX_CONNECTIONS = 32
+MAX_CONNECTIONS_PER_CLIENT = 16
+# The request line and headers must arrive within this (a scraper sends them in one
+# packet; a browser in a few): a slowloris holds a connection this long at most.
+HEADER_DEADLINE_S = 3.0
+# Each write of a reply must finish within this.
 REQUEST_TIMEOUT_S = 5.0
 
 # Replies are written in pieces this large: the socket's timeout bounds each write, so a
@@ -161,17 +195,46 @@ REQUEST_TIMEOUT_S = 5.0
 WRITE_CHUNK = 256 * 1024
 
 
+class _Connection:
+    """One open connection: whose, since when, and whether it is still sending headers."""
+
+    __slots__ = ("sock", "client", "opened", "reading", "dropped")
+
+    def __init__(self, sock: socket.socket, client: str) -> None:
+        self.sock = sock
+        self.client = client
+        self.opened = time.monotonic()
+        self.reading = True
+        self.dropped = False
+
+    def drop(self) -> None:
+        """End it from another thread: its reads return at once, and fail."""
+        self.dropped = True
+        with contextlib.suppress(OSError):  # already closed by its peer
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
 class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per request, at most MAX_CONNECTIONS of them."""
+    """A thread per connection, at most MAX_CONNECTIONS of them, MAX_CONNECTIONS_PER_CLIENT
+    per client address; slow senders of headers make room (see the module docstring)."""
 
     daemon_threads = True
+    # The listen backlog: socketserver's 5 overflows when a burst of clients connects
+    # faster than the loop accepts, and the kernel makes the rest retry a second later.
+    request_queue_size = 2 * MAX_CONNECTIONS
 
     def __init__(self, address, handler) -> None:
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, _Connection] = {}
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
+        connection = _Connection(request, client_address[0])
+        with self._lock:
+            admitted = self._make_room(connection.client)
+            if admitted:
+                self._open[request] = connection
+        if not admitted:
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -180,12 +243,110 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            with self._lock:
+                self._open.pop(request, None)
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that went, or was dropped, mid-reply: nothing to print for every one.
+        log.debug("the metrics port lost a client %s", client_address, exc_info=True)
+
+    def connection(self, request) -> _Connection:
+        with self._lock:
+            return self._open[request]
+
+    def headers_read(self, connection: _Connection) -> None:
+        with self._lock:
+            connection.reading = False
+
+    def _make_room(self, client: str) -> bool:
+        """Drop what a new connection of `client` needs dropped; whether it may open.
+
+        Over the per-address limit, the oldest of `client`'s connections still sending
+        headers goes; over the total, the oldest such of the address holding the most."""
+        live = [c for c in self._open.values() if not c.dropped]
+        mine = [c for c in live if c.client == client]
+        if len(mine) >= MAX_CONNECTIONS_PER_CLIENT:
+            return self._drop_first(mine, key=lambda c: c.opened)
+        if len(live) < MAX_CONNECTIONS:
+            return True
+        counts = collections.Counter(c.client for c in live)
+        return self._drop_first(live, key=lambda c: (-counts[c.client], c.opened))
+
+    @staticmethod
+    def _drop_first(connections: list[_Connection], key) -> bool:
+        """Drop the first by `key` of `connections` still sending headers; whether one was
+        (none is when all are being answered)."""
+        reading = [c for c in connections if c.reading]
+        if not reading:
+            return False
+        min(reading, key=key).drop()
+        return True
+
+
+class _DeadlineReader:
+    """A request's input, refusing to wait past its deadline for the request line and the
+    headers: each read may take what is left of it, and a dropped connection reads
+    nothing more."""
+
+    def __init__(self, raw, connection: _Connection, deadline: float) -> None:
+        self._raw = raw
+        self._connection = connection
+        self._deadline = deadline
+
+    def readline(self, limit: int = -1) -> bytes:
+        left = self._deadline - time.monotonic()
+        if left <= 0 or self._connection.dropped:
+            raise TimeoutError(f"no request line and headers within {HEADER_DEADLINE_S}s")
+        self._connection.sock.settimeout(left)
+        line = self._raw.readline(limit)
+        if self._connection.dropped:
+            raise TimeoutError("dropped to make room for other clients")
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class _TenantFree:
+    """A registry's metrics with every sample labelled by tenant summed over tenants."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            sums: dict[tuple, float] = {}
+            for sample in family.samples:
+                labels = tuple((k, v) for k, v in sample.labels.items() if k != "tenant")
+                key = (sample.name, labels)
+                sums[key] = sums.get(key, 0.0) + sample.value
+            summed = Metric(family.name, family.documentation, family.type, family.unit)
+            summed.samples = [
+                Sample(name, dict(labels), value) for (name, labels), value in sums.items()
+            ]
+            yield summed
 
 
 def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S
+
+        def setup(self) -> None:
+            super().setup()
+            self._connection = self.server.connection(self.request)
+            deadline = self._connection.opened + HEADER_DEADLINE_S
+            self.rfile = _DeadlineReader(self.rfile, self._connection, deadline)
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()
+            self.server.headers_read(self._connection)
+            if self._connection.dropped:  # dropped just before: its socket is shut
+                raise TimeoutError("dropped to make room for other clients")
+            self.connection.settimeout(REQUEST_TIMEOUT_S)  # now for the reply's writes
+            return parsed
 
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
             path, _, query = self.path.partition("?")
@@ -195,7 +356,8 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
             if not admitted:
                 self._reply(401, b"an access token is required\n", "text/plain")
             elif path == "/metrics":
-                self._reply(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
+                registry = server.registry if server.shows_tenants else _TenantFree(server.registry)
+                self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/":
                 self._redirect("/dashboard" + (f"?{query}" if query else ""))
             elif path == "/dashboard":
@@ -233,7 +395,10 @@ def _handler(server: WebServer) -> type[BaseHTTPRequestHandler]:
             try:
                 # NaN or Infinity would make the reply unreadable to JSON.parse: refuse here,
                 # where the message can say so.
-                body = json.dumps(server.dashboard(), allow_nan=False).encode()
+                data = server.dashboard()
+                if not server.shows_tenants:
+                    data = {**data, "tenants": []}
+                body = json.dumps(data, allow_nan=False).encode()
             except Exception as error:  # the page shows the message; the service goes on
                 log.exception("the dashboard data could not be served")
                 message = f"the dashboard data could not be served: {error!r}\n"

@@ -191,9 +191,19 @@ class ServiceConfig:
     metrics_host: str = "loopback"
     metrics_port: int = 0
     metrics_token: str = ""
+    # Whether clients without the token (there is none to bring when metrics_token is
+    # unset, on loopback) see figures by tenant name; off, they see the mesh's and each
+    # worker's figures only, so another local user learns no tenant's name or traffic.
+    # Token holders always see everything.
+    metrics_show_tenants: bool = False
 
     def __post_init__(self) -> None:
         _check_host(self.host, "service.host")
+        if not isinstance(self.metrics_show_tenants, bool):
+            raise ConfigError(
+                f"service.metrics_show_tenants must be true or false, "
+                f"got {self.metrics_show_tenants!r}"
+            )
         _check_host(self.metrics_host, "service.metrics_host")
         if self.metrics_host != "loopback" and not self.metrics_token:
             raise ConfigError(
@@ -292,6 +302,7 @@ class KvmeshConfig:
             metrics_host=service.metrics_host,
             metrics_port=service.metrics_port,
             metrics_token=service.metrics_token,
+            metrics_show_tenants=service.metrics_show_tenants,
         )
 
     def store_layout(self) -> StoreLayout:

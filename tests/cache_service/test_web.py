@@ -386,16 +386,19 @@ def test_without_plotly_the_bundle_is_a_500_that_names_the_package(ports, monkey
 
 
 def test_the_api_serves_what_the_dashboard_callable_returns(ports):
-    server, feed = ports.open, ports.feed
+    # With the token: the whole reply, tenant rows included (without a token the port
+    # serves it without them: tests/security/test_metrics_port.py).
+    server, feed = ports.guarded, ports.feed
     feed.state = SECOND
-    reply = get(server.url + "/api/dashboard")
+    reply = get(server.url + "/api/dashboard", **bearer())
     assert reply.status == 200
     assert reply.headers["Content-Type"] == "application/json"
     assert reply.headers["Cache-Control"] == "no-store"
     assert json.loads(reply.body) == SECOND
     assert feed.calls == 1
     feed.state = FIRST
-    assert json.loads(get(server.url + "/api/dashboard").body) == FIRST
+    assert json.loads(get(server.url + "/api/dashboard", **bearer()).body) == FIRST
+    assert json.loads(get(ports.open.url + "/api/dashboard").body) == {**FIRST, "tenants": []}
 
 
 def test_a_failing_or_unserialisable_dashboard_is_a_500_with_the_reason(ports):

@@ -99,3 +99,13 @@ def test_compaction_section_reaches_its_typed_config():
     assert compaction.budget == (0.5,) * 15 + (0.25,) * 15 and compaction.high_water == 0.8
     assert config_from_dict({"compaction": {"budget": 64}}).compaction.budget == 64
     assert load_config(ROOT / "configs" / "local.yaml").compaction.policy == "none"
+
+
+def test_tenant_figures_show_to_tokenless_clients_only_when_allowed():
+    assert KvmeshConfig().server_config().metrics_show_tenants is False
+    shown = config_from_dict({"service": {"metrics_show_tenants": True}})
+    assert shown.server_config().metrics_show_tenants is True
+    with pytest.raises(ConfigError, match="service.metrics_show_tenants must be bool"):
+        config_from_dict({"service": {"metrics_show_tenants": "yes"}})
+    with pytest.raises(ConfigError, match="unknown key 'service.metrics_show_tenant'"):
+        config_from_dict({"service": {"metrics_show_tenant": True}})

@@ -38,6 +38,9 @@ CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 24},
     "workers": {"count": 2, "threads": 1, "copy_policy": "always"},
+    # The figures by tenant are what this test watches, read by a Prometheus and a browser
+    # without a token (none is set on loopback): the operator's switch lets them see them.
+    "service": {"metrics_show_tenants": True},
 }
 
 

@@ -21,11 +21,8 @@ import zmq
 
 from cache_service.auth import KeyPair
 from cache_service.zap import LateKeys
-from workers.store.page_store import SharedPageStore, StoreLayout
 from workers.transfer import TRANSFER_VERSION, PageClient, PageServer, TransferAuth
 
-# Pages of 64 KiB: a few hundred queued for a reader that never reads fill any socket buffer.
-LAYOUT = StoreLayout(num_pages=256, num_layers=4, num_kv_heads=2, page_tokens=16, head_dim=64)
 SECRET = b"m" * 32
 
 
@@ -38,25 +35,6 @@ def mesh_auth(encrypt: bool) -> tuple[TransferAuth, TransferAuth, KeyPair]:
         TransferAuth(requester, peers, SECRET, encrypt),
         stranger,
     )
-
-
-@pytest.fixture
-def holder():
-    store = SharedPageStore.create(LAYOUT, tag="holder")
-    pages = store.allocate(LAYOUT.num_pages)
-    for page in pages:
-        store.write_page(page, torch.full(LAYOUT.page_shape, float(page % 97)))
-    yield store, pages
-    store.check_integrity()
-    store.close()
-
-
-@pytest.fixture
-def requester():
-    store = SharedPageStore.create(LAYOUT, tag="requester")
-    yield store, store.allocate(32)
-    store.check_integrity()
-    store.close()
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["curve", "signed"])
@@ -275,7 +253,7 @@ def test_malformed_requests_never_stop_the_server(holder, requester):
         for frame in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": 99})):
             socket.send(frame)
             assert "error" in msgpack.unpackb(socket.recv_multipart()[0])
-        raw_request(socket, [LAYOUT.num_pages + 5], [0])  # out of range
+        raw_request(socket, [store.num_pages + 5], [0])  # out of range
         assert "error" in msgpack.unpackb(socket.recv_multipart()[0])
         client = PageClient(server.address, timeout_s=2.0)
         assert all(client.fetch(pages[:2], store.generations(pages[:2]), dst_store, dst[:2]))

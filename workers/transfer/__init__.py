@@ -48,9 +48,12 @@ so every other requester) until a 30 s tracker wait timed out and killed the thr
   stalled one costs almost nothing. A request still unfinished after `request_timeout_s`
   is dropped and counted; other peers' requests never wait on it.
 - Requests are bounded: pages (MAX_PAGES_PER_REQUEST) and bytes (MAX_REQUEST_PAGE_BYTES)
-  per request (the client splits bigger fetches), in-flight requests per peer
-  (MAX_REQUESTS_PER_PEER) and in all (MAX_ACTIVE_REQUESTS); more is refused with an
-  error header.
+  per request (the client splits bigger fetches), in-flight requests per connection
+  (MAX_REQUESTS_PER_PEER), per key over all its connections (MAX_REQUESTS_PER_KEY: the
+  CurveZMQ key ZAP admitted; without CURVE the connection) and in all
+  (MAX_ACTIVE_REQUESTS); more is refused with an error header. One key opening many
+  connections holds its share, never every slot; the replay guard of signed requests
+  keeps a window per key too (`ReplayGuard`), so one key's flood moves only its own floor.
 - The zero-copy tracker of a request's last page is polled (`tracker.done`), never
   waited on; the trailer is built only once it is done.
 - Anything that goes wrong while serving one request is logged and counted, and only

@@ -8,6 +8,7 @@ survives every error and is restarted if it dies anyway. The design is in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -28,6 +29,7 @@ from workers.transfer.page_wire import (
     MAX_PAGES_PER_REQUEST,
     MAX_REQUEST_BYTES,
     MAX_REQUEST_PAGE_BYTES,
+    MAX_REQUESTS_PER_KEY,
     MAX_REQUESTS_PER_PEER,
     PAGE_MAGIC,
     PAGE_PREFIX,
@@ -56,7 +58,8 @@ _IDLE_POLL_MS = 200
 class _Serving:
     """One admitted request as the loop serves it: header, pages, then the trailer."""
 
-    identity: bytes
+    identity: bytes  # the connection (ROUTER routing id)
+    key: bytes  # who asked: the CurveZMQ public key, else the connection
     request_id: int
     pages: np.ndarray  # (n,) int64 page ids
     expected: np.ndarray  # (n,) int64 generations asked for
@@ -208,16 +211,16 @@ class PageServer:
         """
         active = list(self._active)
         assert len(active) <= MAX_ACTIVE_REQUESTS, f"{len(active)} requests in flight"
-        peers: dict[bytes, int] = {}
         for serving in active:
-            peers[serving.identity] = peers.get(serving.identity, 0) + 1
             n = len(serving.pages)
             assert 0 < n <= self._max_pages, f"a request of {n} pages (most {self._max_pages})"
             assert len(serving.expected) == len(serving.sendable) == len(serving.digests) == n
             assert 0 <= serving.next_page <= n, f"page cursor {serving.next_page} of {n}"
-        busiest = max(peers.values(), default=0)
-        assert busiest <= MAX_REQUESTS_PER_PEER, f"a peer has {busiest} requests in flight"
-        assert len(self._replay) <= self._replay.capacity, "the replay guard outgrew its bound"
+        busiest = max(collections.Counter(s.identity for s in active).values(), default=0)
+        assert busiest <= MAX_REQUESTS_PER_PEER, f"a connection has {busiest} requests in flight"
+        busiest = max(collections.Counter(s.key for s in active).values(), default=0)
+        assert busiest <= MAX_REQUESTS_PER_KEY, f"a key has {busiest} requests in flight"
+        self._replay.check_integrity()
         counts = (self.requests, self.errors, self.dropped, self.pages_sent, self.restarts)
         assert min(counts) >= 0, f"a negative counter: {counts}"
 
@@ -305,18 +308,29 @@ class PageServer:
                 identity = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            payload = []
+            payload: list[bytes] = []
+            key = identity
             while socket.rcvmore:  # read frame by frame: a flood of frames is dropped
-                frame = socket.recv(zmq.NOBLOCK)
+                frame = socket.recv(zmq.NOBLOCK, copy=False)
+                if not payload and self._zap_domain:
+                    key = self._key_of(frame, identity)
                 if len(payload) < 2:
-                    payload.append(frame)
+                    payload.append(frame.bytes)
             try:
-                self._admit(socket, identity, payload)
+                self._admit(socket, identity, key, payload)
             except Exception:
                 self.errors += 1
                 log.exception("page server %s: error admitting a request", self.address)
 
-    def _admit(self, socket: zmq.Socket, identity: bytes, payload: list[bytes]) -> None:
+    @staticmethod
+    def _key_of(frame: zmq.Frame, identity: bytes) -> bytes:
+        """Who sent `frame`: the public key (z85) ZAP admitted its connection with."""
+        try:
+            return frame.get("User-Id").encode()
+        except zmq.ZMQError:  # never without ZAP; should it be, the connection stands in
+            return identity
+
+    def _admit(self, socket: zmq.Socket, identity: bytes, key: bytes, payload: list[bytes]) -> None:
         self.requests += 1
         request_id = 0
         try:
@@ -328,10 +342,10 @@ class PageServer:
                 assert self.auth is not None
                 check_signature(request, self.auth.secret)
                 assert request.ts_ns is not None and request.nonce is not None
-                self._replay.admit(request.ts_ns, request.nonce, time.time_ns())
+                self._replay.admit(key, request.ts_ns, request.nonce, time.time_ns())
             pages, expected = request.page_ids(), request.generations()
             self._check_pages(pages)
-            self._check_capacity(identity)
+            self._check_capacity(identity, key)
         except TransferError as exc:
             self.errors += 1
             log.debug("page server %s refused a request: %s", self.address, exc)
@@ -345,6 +359,7 @@ class PageServer:
         header = pack_map(id=request_id, n=len(pages), page_bytes=self.store.layout.page_bytes)
         serving = _Serving(
             identity,
+            key,
             request_id,
             pages,
             expected,
@@ -369,12 +384,17 @@ class PageServer:
         if pages.min() < 0 or pages.max() >= self.store.num_pages:
             raise TransferError(f"page ids outside [0, {self.store.num_pages})")
 
-    def _check_capacity(self, identity: bytes) -> None:
-        if len(self._active) >= MAX_ACTIVE_REQUESTS:
-            raise TransferError(f"busy: {MAX_ACTIVE_REQUESTS} requests in flight")
+    def _check_capacity(self, identity: bytes, key: bytes) -> None:
+        """Refuse a request past the bounds in flight: of its key (however many connections
+        it opened), of its connection, or in all (see MAX_REQUESTS_PER_KEY)."""
+        mine = sum(1 for s in self._active if s.key == key)
+        if mine >= MAX_REQUESTS_PER_KEY:
+            raise TransferError(f"busy: {mine} requests of this key in flight")
         mine = sum(1 for s in self._active if s.identity == identity)
         if mine >= MAX_REQUESTS_PER_PEER:
-            raise TransferError(f"busy: {mine} requests of this peer in flight")
+            raise TransferError(f"busy: {mine} requests of this connection in flight")
+        if len(self._active) >= MAX_ACTIVE_REQUESTS:
+            raise TransferError(f"busy: {MAX_ACTIVE_REQUESTS} requests in flight")
 
     def _send(self, socket: zmq.Socket, now: float) -> None:
         """Give each due request its turn; finish, park or drop it."""

@@ -61,14 +61,32 @@ MAX_REQUEST_BYTES = MAX_PAGES_PER_REQUEST * 12 + 512  # ids, generations, signat
 # memory; it bounds how much a reader that stops reading holds, and 4 MiB is still
 # over a millisecond of loopback transfer, enough to keep the pipe full between refills.
 PEER_QUEUE_BYTES = 4 << 20
-MAX_REQUESTS_PER_PEER = 4  # a client asks one request at a time; 4 leaves room
-MAX_ACTIVE_REQUESTS = 64  # requests being served at once, all peers together
+
+# Requests in flight. A client asks one request at a time on its connection (a DEALER),
+# so 4 per connection leaves room for a retry racing a late reply. A key (a worker: its
+# CurveZMQ public key, which the ZAP handler vouches for) may hold 8 over all the
+# connections it opens: a worker has one client per holder, 8 covers a restart's second
+# connection and its retries, and a key that opens 16 connections still holds 8, not all
+# 64. 64 in all is 8 keys at their limit; a request in flight costs no memory (its pages
+# leave as zero-copy views) but a turn of the loop, and a stalled one is dropped after the
+# server's request timeout. Without CURVE (signed or open) a request names no key the
+# server can trust, so its connection is its key: a holder of the mesh secret who opens
+# many connections is held only by the 64 in all.
+MAX_REQUESTS_PER_PEER = 4  # per connection
+MAX_REQUESTS_PER_KEY = 8  # per authenticated key, all its connections together
+MAX_ACTIVE_REQUESTS = 64  # requests being served at once, all keys together
 
 # Signed requests: a timestamp at most this far from the server's clock (nodes run NTP;
 # further apart every copy is a miss, and the error header says why), and a nonce
 # remembered for as long, so a request overheard on the wire cannot be replayed.
 SIGNATURE_WINDOW_S = 30.0
-REPLAY_CAPACITY = 1 << 16  # nonces remembered at most (about 6 MiB)
+# Nonces remembered at most, all keys together (about 13 MiB: a dict entry and a deque
+# slot each): 2,184 signed requests a second over the window, far more than a mesh's
+# readers send (one request at a time per connection, each of up to 64 MiB of pages).
+REPLAY_CAPACITY = 1 << 16
+# Keys (connections: signed requests carry no identity but the mesh secret's) with a
+# window of their own at most: one per reading worker of the mesh, with room to spare.
+REPLAY_KEYS = 1024
 _SIGNING_DOMAIN = b"kvmesh page request v2\x00"
 _NONCE_BYTES = 16
 
@@ -219,39 +237,104 @@ def check_signature(request: PageRequest, secret: bytes) -> None:
         raise TransferError("bad signature")
 
 
-class ReplayGuard:
-    """Admits each signed request once, and only near the server's clock.
+class _KeyWindow:
+    """What a ReplayGuard remembers of one key: its nonces in arrival order, and its floor
+    (a timestamp at or below which its requests are refused, once nonces were forgotten)."""
 
-    A nonce is remembered while its timestamp is inside the window; past `capacity`
-    nonces the oldest is forgotten and the floor rises to its timestamp, so it can still
-    not be replayed (nor can anything older): memory stays bounded either way.
+    __slots__ = ("order", "floor_ns")
+
+    def __init__(self) -> None:
+        self.order: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.floor_ns = -(1 << 63)
+
+
+class ReplayGuard:
+    """Admits each signed request once, and only near the server's clock; one key's
+    requests never make another key's refused.
+
+    A nonce is remembered while its timestamp is inside the window, and a nonce seen from
+    any key is refused from every key. Each key (the connection a request came on) has a
+    window of its own: its nonces and its floor. Memory is bounded twice:
+
+    - at most `capacity` nonces in all: past it, the key holding the most forgets its
+      oldest nonce and its own floor rises to that nonce's timestamp, so that request can
+      still not be replayed on its connection (nor can anything older). The floor never
+      rises past the server's clock: a request stamped in the future (within the window,
+      else it is refused outright) moves no floor beyond the present. A flooding key is
+      always the one holding the most, so it forgets only its own nonces. What is given up:
+      a nonce forgotten this way could be replayed on another connection; the requests of
+      a key that floods were its own to sign anyway.
+    - at most `max_keys` keys: a key with nothing live and a floor past the window is
+      forgotten; when every tracked key still has live nonces, a new key's request is
+      refused ("busy") until one has none. Tracked keys are never pushed out, and a key
+      holds one entry however fast it sends.
     """
 
-    def __init__(self, window_s: float = SIGNATURE_WINDOW_S, capacity: int = REPLAY_CAPACITY):
+    def __init__(
+        self,
+        window_s: float = SIGNATURE_WINDOW_S,
+        capacity: int = REPLAY_CAPACITY,
+        max_keys: int = REPLAY_KEYS,
+    ):
         self.window_ns = int(window_s * 1e9)
         self.capacity = capacity
-        self._seen: set[bytes] = set()
-        self._order: collections.deque[tuple[int, bytes]] = collections.deque()
-        self._floor_ns = -(1 << 63)
+        self.max_keys = max_keys
+        self._seen: dict[bytes, bytes] = {}  # nonce -> the key it came from
+        self._keys: dict[bytes, _KeyWindow] = {}
 
-    def admit(self, ts_ns: int, nonce: bytes, now_ns: int) -> None:
-        """Raises TransferError for a stale, future or replayed request; else remembers it."""
+    def admit(self, key: bytes, ts_ns: int, nonce: bytes, now_ns: int) -> None:
+        """Raises TransferError for a stale, future or replayed request, or a new key when
+        `max_keys` keys have live nonces; else remembers it under `key`."""
         skew_s = (ts_ns - now_ns) / 1e9
         if abs(ts_ns - now_ns) > self.window_ns:
             raise TransferError(f"request timestamp {skew_s:+.1f}s from the server's clock")
-        while self._order and self._order[0][0] < now_ns - self.window_ns:
-            self._seen.discard(self._order.popleft()[1])
-        if nonce in self._seen or ts_ns <= self._floor_ns:
+        window = self._keys.get(key)
+        if window is None:
+            window = self._track(key, now_ns)
+        self._expire(window, now_ns)
+        if nonce in self._seen or ts_ns <= window.floor_ns:
             raise TransferError("replayed request")
-        if len(self._order) >= self.capacity:
-            old_ts, old_nonce = self._order.popleft()
-            self._seen.discard(old_nonce)
-            self._floor_ns = max(self._floor_ns, old_ts)
-        self._seen.add(nonce)
-        self._order.append((ts_ns, nonce))
+        if len(self._seen) >= self.capacity:
+            self._sweep(now_ns)
+        if len(self._seen) >= self.capacity:
+            # Ties go to the asking key: it forgets its own before another's.
+            busiest = max(self._keys.values(), key=lambda w: (len(w.order), w is window))
+            old_ts, old_nonce = busiest.order.popleft()
+            del self._seen[old_nonce]
+            busiest.floor_ns = max(busiest.floor_ns, min(old_ts, now_ns))
+        self._seen[nonce] = key
+        window.order.append((ts_ns, nonce))
+
+    def _track(self, key: bytes, now_ns: int) -> _KeyWindow:
+        if len(self._keys) >= self.max_keys:
+            self._sweep(now_ns)
+        if len(self._keys) >= self.max_keys:
+            raise TransferError(f"busy: signed requests of {len(self._keys)} peers in the window")
+        window = self._keys[key] = _KeyWindow()
+        return window
+
+    def _expire(self, window: _KeyWindow, now_ns: int) -> None:
+        # In arrival order: a nonce stamped ahead of the clock holds those behind it for a
+        # little longer, within its own key.
+        while window.order and window.order[0][0] < now_ns - self.window_ns:
+            del self._seen[window.order.popleft()[1]]
+
+    def _sweep(self, now_ns: int) -> None:
+        """Expire every key's nonces; forget keys with nothing left to refuse."""
+        for key, window in list(self._keys.items()):
+            self._expire(window, now_ns)
+            if not window.order and window.floor_ns < now_ns - self.window_ns:
+                del self._keys[key]
 
     def __len__(self) -> int:
         return len(self._seen)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the guard is within its bounds and consistent."""
+        assert len(self._seen) <= self.capacity, f"{len(self._seen)} nonces > {self.capacity}"
+        assert len(self._keys) <= self.max_keys, f"{len(self._keys)} keys > {self.max_keys}"
+        held = sum(len(w.order) for w in self._keys.values())
+        assert held == len(self._seen), f"{held} nonces in windows, {len(self._seen)} seen"
 
 
 def pack_map(**fields: Any) -> bytes:

@@ -172,21 +172,55 @@ def test_malformed_requests_are_refused_with_the_reason(frame, match):
 
 def test_the_replay_guard_admits_each_nonce_once_and_only_near_now():
     guard = ReplayGuard(window_s=1.0, capacity=2)
-    now = 10**12
-    guard.admit(now, b"a" * 16, now)
+    now, key = 10**12, b"k"
+    guard.admit(key, now, b"a" * 16, now)
     with pytest.raises(TransferError, match="replayed"):
-        guard.admit(now, b"a" * 16, now + 1)
+        guard.admit(key, now, b"a" * 16, now + 1)
+    with pytest.raises(TransferError, match="replayed"):
+        guard.admit(b"another", now, b"a" * 16, now + 1)  # a nonce is refused from any key
     with pytest.raises(TransferError, match=r"\+2\.0s"):
-        guard.admit(now + 2 * 10**9, b"b" * 16, now)  # from the future
+        guard.admit(key, now + 2 * 10**9, b"b" * 16, now)  # from the future
     with pytest.raises(TransferError, match=r"-2\.0s"):
-        guard.admit(now - 2 * 10**9, b"b" * 16, now)  # too old
-    guard.admit(now + 1, b"b" * 16, now)
-    guard.admit(now + 2, b"c" * 16, now)  # full: "a" is forgotten, the floor rises to it
+        guard.admit(key, now - 2 * 10**9, b"b" * 16, now)  # too old
+    guard.admit(key, now + 1, b"b" * 16, now)
+    guard.admit(key, now + 2, b"c" * 16, now)  # full: "a" is forgotten, the floor rises to it
     assert len(guard) == 2
     with pytest.raises(TransferError, match="replayed"):
-        guard.admit(now, b"a" * 16, now)
-    guard.admit(now + 3 * 10**9, b"d" * 16, now + 3 * 10**9)  # the others expired
+        guard.admit(key, now, b"a" * 16, now)
+    guard.admit(key, now + 3 * 10**9, b"d" * 16, now + 3 * 10**9)  # the others expired
     assert len(guard) == 1
+    guard.check_integrity()
+
+
+def test_a_replay_guard_flood_raises_only_the_flooders_floor():
+    guard = ReplayGuard(window_s=30.0, capacity=4)
+    now = 10**12
+    guard.admit(b"honest", now, b"h0".ljust(16, b"."), now)
+    ahead = now + 29 * 10**9  # at the edge of the allowed skew
+    for i in range(20):
+        guard.admit(b"flooder", ahead, bytes([i]) * 16, now)
+    assert len(guard) == 4  # the honest nonce and the flooder's newest 3
+    # The flooder forgot its own nonces; its floor rose to the clock, not to its stamps.
+    with pytest.raises(TransferError, match="replayed"):
+        guard.admit(b"flooder", now, b"f".ljust(16, b"."), now)
+    guard.admit(b"flooder", now + 1, b"g".ljust(16, b"."), now + 1)
+    for i in range(1, 4):  # the honest key is never refused, however the flood goes on
+        guard.admit(b"honest", now + i, f"h{i}".encode().ljust(16, b"."), now + i)
+    guard.check_integrity()
+
+
+def test_the_replay_guard_tracks_a_bounded_number_of_keys():
+    guard = ReplayGuard(window_s=1.0, capacity=64, max_keys=2)
+    now = 10**12
+    guard.admit(b"a", now, b"1" * 16, now)
+    guard.admit(b"b", now, b"2" * 16, now)
+    with pytest.raises(TransferError, match="busy: signed requests of 2 peers"):
+        guard.admit(b"c", now, b"3" * 16, now)
+    guard.admit(b"a", now + 1, b"4" * 16, now + 1)  # tracked keys keep being served
+    later = now + 2 * 10**9  # b's nonce expired: its entry makes room for c
+    guard.admit(b"a", later, b"5" * 16, later)
+    guard.admit(b"c", later, b"6" * 16, later)
+    guard.check_integrity()
 
 
 def test_credentials_are_checked():
