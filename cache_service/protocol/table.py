@@ -25,8 +25,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # need (shared-memory store name, page server key); GetPeer and GetPeers read it back.
 # 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
 # tokens pending on each worker (routing estimates each worker's time to first token).
-# 7: ROUTE names the routing policy.
-PROTOCOL_VERSION = 8
+# 7: ROUTE names the routing policy. 8: reports carry the worker's health. 9: REGISTER
+# carries the worker's capacity (pages its store holds).
+PROTOCOL_VERSION = 9
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -135,6 +136,7 @@ MESSAGES: dict[str, MessageSchema] = {
             address=ADDRESS,
             shm_name=SHM_NAME,
             page_key=PAGE_KEY,
+            capacity=COUNT,
         ),
         body(m.Registered, f"{REGISTER}.reply", service_epoch=COUNT, epoch=COUNT),
     ),
