@@ -43,8 +43,8 @@ def measure_bytes_per_page(n_pages: int, page_tokens: int = 16) -> float:
         tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        index = GlobalIndex(page_tokens=page_tokens)
-        epoch = index.register("w0", node_id="n0", now=0.0).epoch
+        index = GlobalIndex(page_tokens=page_tokens, max_capacity=n_pages)
+        epoch = index.register("w0", node_id="n0", now=0.0, capacity=n_pages).epoch
         for seq, first in enumerate(range(0, n_pages, CHAIN_PAGES), start=1):
             count = min(CHAIN_PAGES, n_pages - first)
             event = PagesStored(

@@ -74,7 +74,8 @@ def build_index(prompts: np.ndarray) -> GlobalIndex:
     seq = [0] * WORKERS
     epochs: list[int] = []
     for w in range(WORKERS):
-        epochs.append(index.register(f"w{w}", "node-0").epoch)
+        # Each worker's store holds every page it publishes here (no eviction).
+        epochs.append(index.register(f"w{w}", "node-0", capacity=index.max_capacity).epoch)
     for j, prompt in enumerate(prompts):
         w, s = j % WORKERS, j % SYSTEM_PROMPTS
         events = []

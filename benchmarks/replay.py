@@ -333,9 +333,11 @@ class _Cluster:
             worker_id: PrefixCache(PagePool(pages_per_worker), config)
             for worker_id in self.worker_ids
         }
-        self.index = GlobalIndex(page_tokens=page_tokens)
+        self.index = GlobalIndex(page_tokens=page_tokens, max_capacity=pages_per_worker)
         self.epochs = {
-            worker_id: self.index.register(worker_id, node_id="replay", now=0.0).epoch
+            worker_id: self.index.register(
+                worker_id, node_id="replay", now=0.0, capacity=pages_per_worker
+            ).epoch
             for worker_id in self.worker_ids
         }
         self.seqs = dict.fromkeys(self.worker_ids, 0)

@@ -196,11 +196,17 @@ def count_mismatches(got: list[int], expected: list[int]) -> int:
 
 
 def kvmesh_engine(
-    folder: Path, ray_address: str, engine_id: str, node_ip_address: str | None = None
+    folder: Path,
+    ray_address: str,
+    engine_id: str,
+    token: str,
+    node_ip_address: str | None = None,
 ) -> list[str]:
-    """`workers.engines.vllm_engine` options of an engine with kvmesh's connector."""
+    """`workers.engines.vllm_engine` options of an engine with kvmesh's connector, joining
+    with enrollment token `token`."""
     node = [] if node_ip_address is None else ["--node-ip-address", node_ip_address]
-    return ["--model", str(folder), "--ray-address", ray_address, "--kvmesh", engine_id, *node]
+    mesh = ["--ray-address", ray_address, "--kvmesh", engine_id, "--enroll-token", token]
+    return ["--model", str(folder), *mesh, *node]
 
 
 def close_engines(engines: Iterable[EngineProcess], timeout_s: float = 60.0) -> None:
@@ -262,8 +268,8 @@ def run(log=sys.stderr) -> dict:
     gcs = ray.get_runtime_context().gcs_address
     engines = start_engines(
         {
-            "a": kvmesh_engine(folder, gcs, "vllm-a"),
-            "b": kvmesh_engine(folder, gcs, "vllm-b"),
+            "a": kvmesh_engine(folder, gcs, "vllm-a", mesh.enrollment_token()),
+            "b": kvmesh_engine(folder, gcs, "vllm-b", mesh.enrollment_token()),
             "n": ["--model", str(folder)],
             "e": ["--model", str(folder), "--example-connector", str(work / "example")],
         },

@@ -10,14 +10,16 @@ the new endpoint, register again and resync their holdings.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cache_service import enroll_tokens
 from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.malloc import keep_large_blocks_mapped
 from cache_service.server import ServerConfig, make_server
@@ -26,6 +28,13 @@ SERVICE_NAME = "kvmesh-service"
 MAX_ENROLLED = 256  # engines a mesh admits beyond its own workers (bounded state)
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 RAY_NAMESPACE = "kvmesh"
+
+
+class Enrolled(NamedTuple):
+    """An engine that joined: its key pair, and the digest of the token it spent."""
+
+    keypair: KeyPair
+    token: bytes  # `enroll_tokens.check`'s digest: the same engine may enroll again with it
 
 
 class ServiceActor:
@@ -38,6 +47,8 @@ class ServiceActor:
         auth: serve with CurveZMQ and identities (else in plain text, to anyone).
         mesh: what the launcher started around the service (its configuration, worker
             names, placement group, who launched it), for front doors that attach.
+        enroll_key: the key the operator's enrollment tokens are issued under (see
+            `cache_service.enroll_tokens`); None: no engine may enroll.
     """
 
     def __init__(
@@ -46,6 +57,7 @@ class ServiceActor:
         keys: dict[str, Any],
         auth: bool = True,
         mesh: dict[str, Any] | None = None,
+        enroll_key: bytes | None = None,
     ):
         config = dict(config)
         config["host"] = resolve_host(config.get("host", "loopback"))
@@ -55,17 +67,19 @@ class ServiceActor:
         self.keys = MeshKeys.from_dict(keys)
         self.auth = auth
         self.mesh = dict(mesh or {})
+        self._enroll_key = enroll_key  # never handed out: `credentials` is not it
         keep_large_blocks_mapped()  # this process is the service's: the index's memory
         self.server = make_server(self.config, self.keys.server_keys() if auth else None)
         self.server.start()
         self.started = time.time()
-        # Engines that joined since (`enroll`), kept in Ray's key-value store (the GCS,
-        # which holds the mesh's keys as this actor's arguments already): a restarted
-        # actor admits them again, so a running engine reconnects like any worker.
-        self.enrolled: dict[str, KeyPair] = _enrolled()
+        # Engines that joined since (`enroll`, each with a token), kept in Ray's key-value
+        # store (the GCS, which holds the mesh's keys as this actor's arguments already):
+        # a restarted actor admits them again, so a running engine reconnects like any
+        # worker.
+        self.enrolled: dict[str, Enrolled] = _enrolled()
         if auth:
-            for worker_id, pair in self.enrolled.items():
-                self.server.admit_worker(worker_id, pair.public)
+            for worker_id, engine in self.enrolled.items():
+                self.server.admit_worker(worker_id, engine.keypair.public)
 
     def endpoint(self) -> dict[str, Any]:
         """Where workers reach the service: address, epoch, CurveZMQ public key or None."""
@@ -81,19 +95,23 @@ class ServiceActor:
         """The mesh's keys and secret, for a front door that attaches (through Ray only)."""
         return {"keys": self.keys.to_dict(), "auth": self.auth}
 
-    def enroll(self, worker_id: str) -> dict[str, Any]:
+    def enroll(self, worker_id: str, token: str | None = None) -> dict[str, Any]:
         """Make `worker_id` a worker of this mesh: an engine (a vLLM process with kvmesh's
-        connector) that joined through Ray. Returns its key pair (the same one each time
-        it asks: its scheduler and worker processes both enroll) and what it needs to
-        talk to the service: the endpoint and the mesh secret (tenant salts, signed page
-        reads), the index's tokens per page, and how the mesh's page servers listen
-        (`pages`: the launcher's `workers.host` and `security.encrypt_pages`; None when
-        the service was started alone). Only through Ray: whoever reaches this actor is
-        inside the cluster.
+        connector) that joined through Ray with an enrollment token the operator issued
+        (`kvmesh up` prints one, `kvmesh enroll-token` more). The first enrollment spends
+        the token and binds it to `worker_id`; the same engine enrolling again with it (its
+        scheduler and worker processes both enroll; so does a restarted engine) gets the
+        same key pair. Returns its key pair and what it needs to talk to the service: the
+        endpoint and the mesh secret (tenant salts, signed page reads), the index's tokens
+        per page, and how the mesh's page servers listen (`pages`: the launcher's
+        `workers.host` and `security.encrypt_pages`; None when the service was started
+        alone). A refused enrollment changes nothing and takes no engine's place.
 
         Raises:
-            ValueError: `worker_id` is not a plain name, is one of the launcher's workers,
-                or the mesh already holds MAX_ENROLLED engines.
+            ValueError: `worker_id` is not a plain name or is one of the launcher's
+                workers; the token is not one this mesh issued, was spent by another
+                engine, or `worker_id` enrolled with another; or the mesh already holds
+                MAX_ENROLLED engines.
         """
         if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):
             raise ValueError(
@@ -104,17 +122,27 @@ class ServiceActor:
         if self.server.in_quarantine(worker_id):
             raise ValueError(
                 f"{worker_id!r} is in quarantine (its pages failed a spot check): an operator "
-                "clears it with `kvmesh quarantine clear`"
+                "clears it with `kvmesh quarantine --clear`"
             )
-        pair = self.enrolled.get(worker_id)
-        if pair is None:
+        if self._enroll_key is None:
+            raise ValueError("this mesh issues no enrollment tokens: no engine may enroll")
+        if token is None:
+            raise ValueError(f"engine {worker_id!r} came without an enrollment token")
+        spent = enroll_tokens.check(self._enroll_key, token)
+        engine = self.enrolled.get(worker_id)
+        if engine is not None and not hmac.compare_digest(engine.token, spent):
+            raise ValueError(f"engine {worker_id!r} enrolled with another token")
+        if engine is None:
+            if any(hmac.compare_digest(e.token, spent) for e in self.enrolled.values()):
+                raise ValueError("this enrollment token was spent by another engine")
             if len(self.enrolled) >= MAX_ENROLLED:
                 raise ValueError(f"the mesh already holds {MAX_ENROLLED} engines")
-            pair = KeyPair.generate()
+            engine = Enrolled(KeyPair.generate(), spent)
             if self.auth:
-                self.server.admit_worker(worker_id, pair.public)
-            self.enrolled[worker_id] = pair
+                self.server.admit_worker(worker_id, engine.keypair.public)
+            self.enrolled[worker_id] = engine
             _keep_enrolled(self.enrolled)
+        pair = engine.keypair
         return {
             "worker_id": worker_id,
             "keypair": tuple(pair) if self.auth else None,
@@ -165,7 +193,7 @@ class ServiceActor:
 _ENROLLED_KEY = b"kvmesh-enrolled-engines"
 
 
-def _enrolled() -> dict[str, KeyPair]:
+def _enrolled() -> dict[str, Enrolled]:
     """The engines enrolled by earlier incarnations of the service actor (none outside
     Ray, as in the tests that build the actor class directly)."""
     from ray.experimental import internal_kv
@@ -175,20 +203,23 @@ def _enrolled() -> dict[str, KeyPair]:
     raw = internal_kv._internal_kv_get(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
     if raw is None:
         return {}
-    return {worker_id: KeyPair(*pair) for worker_id, pair in msgpack.unpackb(raw).items()}
+    return {
+        worker_id: Enrolled(KeyPair(public, secret), token)
+        for worker_id, (public, secret, token) in msgpack.unpackb(raw).items()
+    }
 
 
 def enrolled_publics() -> frozenset[bytes]:
     """The public keys of the engines enrolled in the mesh of this Ray cluster: who may
     read an engine's pages (engines of one model share them across the mesh)."""
-    return frozenset(pair.public for pair in _enrolled().values())
+    return frozenset(engine.keypair.public for engine in _enrolled().values())
 
 
-def _keep_enrolled(enrolled: dict[str, KeyPair]) -> None:
+def _keep_enrolled(enrolled: dict[str, Enrolled]) -> None:
     from ray.experimental import internal_kv
 
     if ray.is_initialized() and internal_kv._internal_kv_initialized():
-        raw = msgpack.packb({worker_id: tuple(pair) for worker_id, pair in enrolled.items()})
+        raw = msgpack.packb({worker_id: (*e.keypair, e.token) for worker_id, e in enrolled.items()})
         internal_kv._internal_kv_put(_ENROLLED_KEY, raw, overwrite=True, namespace=RAY_NAMESPACE)
 
 
@@ -218,6 +249,7 @@ def start_service(
     auth: bool = True,
     mesh: dict[str, Any] | None = None,
     node_id: str | None = None,
+    enroll_key: bytes | None = None,
 ) -> Any:
     """Start the service actor (or return the running one) and wait until it serves.
 
@@ -227,6 +259,8 @@ def start_service(
         auth: serve with CurveZMQ and identities.
         mesh: the launcher's description of the mesh (`ServiceActor.describe`).
         node_id: the node it must run on (the head node, in a launched mesh).
+        enroll_key: the key of the operator's enrollment tokens (`enroll_tokens`); None:
+            no engine may enroll.
 
     Returns:
         The actor handle, named SERVICE_NAME in namespace RAY_NAMESPACE.
@@ -249,7 +283,7 @@ def start_service(
         scheduling_strategy=(
             None if node_id is None else NodeAffinitySchedulingStrategy(node_id, soft=False)
         ),
-    ).remote(dataclasses.asdict(config), keys.to_dict(), auth, mesh)
+    ).remote(dataclasses.asdict(config), keys.to_dict(), auth, mesh, enroll_key)
     ray.get(handle.endpoint.remote())
     return handle
 

@@ -201,7 +201,7 @@ class RequestHandlers:
             raise ProtocolError(
                 QUARANTINED,
                 f"worker {request.worker_id!r} is in quarantine: its pages failed a spot "
-                "check; an operator clears it with `kvmesh quarantine clear`",
+                "check; an operator clears it with `kvmesh quarantine --clear`",
             )
         if self.keys is not None and request.page_key not in (
             None,
@@ -214,7 +214,12 @@ class RequestHandlers:
             )
         peer = PeerAddress(request.address, request.shm_name, request.page_key)
         registration = self.index.register(
-            request.worker_id, request.node_id, request.tier, now=self._clock(), peer=peer
+            request.worker_id,
+            request.node_id,
+            request.tier,
+            now=self._clock(),
+            peer=peer,
+            capacity=request.capacity,
         )
         return Registered(self.epoch, registration.epoch)
 
@@ -229,9 +234,16 @@ class RequestHandlers:
         return EpochReply(self.epoch, self.quarantine.version)
 
     def _events(self, request: PublishEvents) -> ApplyResult:
-        return self.index.apply_events(
+        result = self.index.apply_events(
             request.worker_id, request.epoch, request.seq, request.events
         )
+        if result.reason == "over_capacity":
+            log.warning(
+                "worker %r claimed pages past the capacity it registered: batch %d refused",
+                request.worker_id,
+                request.seq,
+            )
+        return result
 
     def _resync(self, request: Resync) -> ResyncReply:
         self.index.resync(request.worker_id, request.epoch, request.seq, request.chains)

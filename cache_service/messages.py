@@ -29,6 +29,9 @@ class Register(NamedTuple):
     address: str  # its page server, for peers on other nodes; "" if none
     shm_name: str  # its shared-memory page store, for peers on its node; "" if none
     page_key: bytes | None  # its page server's CurveZMQ public key (z85); None: no auth
+    # Pages its page store holds: the most it may hold in the index at once (0: it did not
+    # say; the service assumes a default, see `GlobalIndex.register`).
+    capacity: int = 0
 
 
 # Bucket bounds (seconds) of the histograms a worker reports; its counts follow them.
@@ -278,7 +281,8 @@ class ApplyResult(NamedTuple):
     "stale" (seq < last applied: ignored), "gap" (a batch went missing), "unknown_worker"
     (not registered, or removed: register again, then resync), "epoch_mismatch",
     "unknown_parent" (a chain hangs under a page the index does not know), "page_conflict"
-    (a page id reported twice on one path), "awaiting_resync" (an earlier batch failed).
+    (a page id reported twice on one path), "over_capacity" (a chain would take the worker
+    past the capacity it registered), "awaiting_resync" (an earlier batch failed).
     `last_seq` is the last seq the index applied for the worker (0 when unknown).
     """
 

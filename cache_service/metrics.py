@@ -11,8 +11,8 @@ consistent with each other when they were taken.
 
 Names follow vLLM's where vLLM has one (`kvmesh_prefix_cache_queries_total` and
 `..._hits_total` count tokens, as `vllm:prefix_cache_queries` does). Tenant labels are
-the names the front door gave (never salts), as many as the index keeps tallies for
-(`max_tenants`, the rest summed as "(other)").
+the names the front door gave (never salts), as many as the index keeps names for
+(`max_tenants`); every salt without a name is summed as "(unnamed)".
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ class SnapshotCollector(Collector):
         quarantined = GaugeMetricFamily(
             "kvmesh_quarantined",
             "1 for each member in quarantine: its pages failed a spot check; it may not "
-            "register until an operator clears it (`kvmesh quarantine clear`).",
+            "register until an operator clears it (`kvmesh quarantine --clear`).",
             labels=["worker", "reporter"],
         )
         for record in snap.quarantined:

@@ -6,7 +6,7 @@ and the member reports it (ReportHolder) with the digests of every page it copie
 that holder. The service then puts the holder in quarantine:
 
 - its holdings leave the index at once, and it may not register again (nor, an engine,
-  enroll) until an operator clears it (`kvmesh quarantine clear <id>`);
+  enroll) until an operator clears it (`kvmesh quarantine --clear <id>`);
 - every member learns the list (its version rides on each heartbeat's reply), stops
   copying from the holder, drops its own copies of the holder's pages and reports their
   digests in turn; and drops any copy, from whomever it came, of a page whose digest the

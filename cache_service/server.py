@@ -75,6 +75,9 @@ class ServerConfig:
     max_workers: int = 1024
     max_tenants: int = 256
     max_spans: int = 16
+    # The most pages one worker may hold in the index (the capacity it registers is
+    # refused beyond it): 1M pages, 16M tokens at 16 a page, some 270 MiB of index.
+    max_capacity: int = 1 << 20
     # The HTTP port for Prometheus (/metrics): loopback unless told otherwise, and beyond
     # loopback only with an access token. None: no HTTP port.
     metrics_host: str | None = "127.0.0.1"
@@ -478,5 +481,6 @@ def make_server(
         max_workers=config.max_workers,
         max_tenants=config.max_tenants,
         max_spans=config.max_spans,
+        max_capacity=config.max_capacity,
     )
     return ServiceServer(index, config, keys, limits=limits, clock=clock)

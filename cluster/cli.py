@@ -70,6 +70,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     print(render_status(status), end="")
     print(f"kvmesh is up: Ray at {status['ray_address']}; `kvmesh down` stops it")
+    print(f"an enrollment token for one vLLM engine: {launch.enrollment_tokens()[0]}")
+    print("(`kvmesh enroll-token` issues more; each is spent by the engine that joins with it)")
+    return 0
+
+
+def cmd_enroll_token(args: argparse.Namespace) -> int:
+    from cluster import launch
+
+    for token in launch.enrollment_tokens(args.count):
+        print(token)
     return 0
 
 
@@ -165,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--nodes-timeout", type=float, default=600.0, help="seconds to wait for them")
     up.set_defaults(func=cmd_up)
+    enroll = commands.add_parser(
+        "enroll-token",
+        help="issue one-time tokens for vLLM engines to join the mesh `kvmesh up` started here",
+    )
+    enroll.add_argument("--count", type=int, default=1, help="how many (default 1), one a line")
+    enroll.set_defaults(func=cmd_enroll_token)
     down = commands.add_parser("down", help="stop what `kvmesh up` started")
     down.add_argument("--address", help=address_help)
     down.set_defaults(func=cmd_down)

@@ -12,8 +12,10 @@ process makes Ray stop every process of the head (its reaper does so even if it 
 
 What `up` started is recorded in `$KVMESH_STATE_DIR/mesh.json` (default `~/.kvmesh`):
 the Ray address, the head's process id and log. `status`, `top` and `down` read it when
-no address is given. `up` and `down` hold a lock on that directory, so two of them never
-run at once on one machine.
+no address is given. Beside it, `enroll.key` (mode 0600) holds the key of the mesh's
+enrollment tokens: `up` prints one token, `kvmesh enroll-token` issues more from it (a
+vLLM engine joins with one, see `workers.engines.enrollment`). `up` and `down` hold a
+lock on that directory, so two of them never run at once on one machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 import ray
 
+from cache_service import enroll_tokens
 from cache_service.actor import RAY_NAMESPACE
 from cluster.actors import find_service
 from cluster.config import KvmeshConfig, load_config
@@ -45,6 +48,7 @@ from cluster.mesh import Mesh
 from cluster.placement import live_nodes
 
 RECORD_NAME = "mesh.json"
+ENROLL_KEY_NAME = "enroll.key"  # the key of the mesh's enrollment tokens, mode 0600
 RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for its own token authentication
 HEAD_START_TIMEOUT_S = 90.0
 HEAD_STOP_TIMEOUT_S = 60.0
@@ -89,8 +93,41 @@ def _write_record(record: LaunchRecord) -> None:
 
 
 def _clear_record() -> None:
+    for name in (RECORD_NAME, ENROLL_KEY_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir() / name).unlink()
+
+
+def _write_enroll_key(key: bytes) -> None:
+    """Keep the enrollment key where only this user reads it (created 0600, never wider)."""
+    path = state_dir() / ENROLL_KEY_NAME
+    scratch = path.with_suffix(".tmp")
     with contextlib.suppress(FileNotFoundError):
-        (state_dir() / RECORD_NAME).unlink()
+        scratch.unlink()
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key.hex() + "\n")
+    scratch.replace(path)
+
+
+def enrollment_tokens(count: int = 1) -> list[str]:
+    """`count` new one-time enrollment tokens of the mesh `up` started on this machine.
+
+    Raises:
+        LaunchError: no mesh is up here (no key), or `count` is not positive.
+    """
+    if count < 1:
+        raise LaunchError(f"count must be at least 1, got {count}")
+    path = state_dir() / ENROLL_KEY_NAME
+    try:
+        key = bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        raise LaunchError(
+            f"no enrollment key in {state_dir()}: tokens are issued where `kvmesh up` ran"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{path} cannot be read ({exc})") from exc
+    return [enroll_tokens.issue(key) for _ in range(count)]
 
 
 @contextlib.contextmanager
@@ -191,6 +228,7 @@ def _up_in(
             ray_auth_mode=head.ray_auth_mode if head else None,
         )
         _write_record(record)
+        _write_enroll_key(mesh.enroll_key)
         status = mesh.stats()
         mesh.detach()
         return status

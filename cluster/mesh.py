@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 
+from cache_service import enroll_tokens
 from cache_service.actor import (
     get_service,
     start_service,
@@ -174,6 +175,9 @@ class Mesh:
         self._named: set[str] = set()  # tenants whose names the service has
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it
+        # The key of the enrollment tokens engines join with: only a Mesh that started
+        # the service has it (`enrollment_token`); `kvmesh up` keeps it in a file.
+        self.enroll_key: bytes | None = None
         self._local_pids: list[int] = []  # the workers' processes on this node
 
     @classmethod
@@ -189,6 +193,7 @@ class Mesh:
         workers: dict[str, Any] = {}
         mesh = cls(cfg, workers, None, started_ray, keys, owned=True)
         mesh._group = group
+        mesh.enroll_key = enroll_tokens.new_key()
         try:
             manifest = {
                 "config": config_to_dict(cfg),
@@ -200,7 +205,7 @@ class Mesh:
             }
             print(f"starting the service (authentication {'on' if auth else 'off'})...", file=log)
             head = placement.live_nodes()[0].node_id  # the service runs on the head node
-            start_service(service_cfg, keys, auth, manifest, node_id=head)
+            start_service(service_cfg, keys, auth, manifest, head, mesh.enroll_key)
             mesh._tokenizer = prepare_model(cfg.model.name, log)
             workers.update(start_workers(cfg, keys, group, detached))
             infos = wait_ready(workers, log)
@@ -447,6 +452,20 @@ class Mesh:
                 failed.append(f"{worker_id} ({answer or 'the service did not answer'})")
         if failed:
             raise MeshError(f"the index is not up to date with {', '.join(failed)}")
+
+    def enrollment_token(self) -> str:
+        """A new one-time token for one vLLM engine to join this mesh (`join_mesh`).
+
+        Raises:
+            MeshError: this front door attached to a mesh started elsewhere: tokens come
+                from `kvmesh enroll-token` where `kvmesh up` ran.
+        """
+        if self.enroll_key is None:
+            raise MeshError(
+                "only the process that started the mesh issues enrollment tokens here; "
+                "run `kvmesh enroll-token` where `kvmesh up` ran"
+            )
+        return enroll_tokens.issue(self.enroll_key)
 
     def live_workers(self) -> list[str]:
         """The workers not known to be dead, by id."""

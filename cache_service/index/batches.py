@@ -22,7 +22,13 @@ class BatchOrder:
     """Says whether each batch of a worker may apply, and counts every outcome."""
 
     def __init__(self) -> None:
-        self.counts = {"batches": 0, "duplicates": 0, "resyncs_requested": 0, "resyncs": 0}
+        self.counts = {
+            "batches": 0,
+            "duplicates": 0,
+            "resyncs_requested": 0,
+            "resyncs": 0,
+            "over_capacity": 0,  # batches and resyncs refused: past the worker's capacity
+        }
 
     def sender_refusal(self, worker: Worker | None, epoch: int) -> ApplyResult | None:
         """The refusal of a message from an unknown worker (None) or another incarnation of
@@ -57,6 +63,7 @@ class BatchOrder:
         """Refuse `worker`'s batches from now on, until it resyncs; the answer says why."""
         worker.desynced = True
         self.counts["resyncs_requested"] += 1
+        self.counts["over_capacity"] += reason == "over_capacity"
         return ApplyResult(False, True, reason, worker.last_seq)
 
     def applied(self, worker: Worker, seq: int) -> ApplyResult:

@@ -58,10 +58,14 @@ class Chains:
 
         Returns:
             None, or why it cannot be placed: "unknown_parent" (the worker holds no such
-            parent page), "page_conflict" (a page id of the chain is on its own path).
+            parent page), "page_conflict" (a page id of the chain is on its own path),
+            "over_capacity" (its new pages would take the worker past its capacity: the
+            chain changes nothing).
         """
         if not event.page_ids:
             return None
+        if not worker.room_for(event.page_ids):
+            return "over_capacity"
         nodes, holders = self._nodes, self._holders
         if event.parent_page is None:
             parent = nodes.root(event.namespace)

@@ -22,6 +22,7 @@ from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
 from cache_service.index.owner import ThreadOwned
 from cache_service.index.registry import (
+    DEFAULT_CAPACITY,
     NO_PEER_ADDRESS,
     PeerAddress,
     Registration,
@@ -64,6 +65,9 @@ class GlobalIndex(ThreadOwned):
             least recently seen registration that holds no pages.
         max_tenants: tenant salts with figures of their own (later ones: "(other)").
         max_spans: holders a match names at most (the longest).
+        max_capacity: the most pages one worker may hold (a registration claiming more
+            is refused): each worker's claims are bounded by its capacity, and this bounds
+            the capacity a key may claim.
 
     Raises:
         ValueError: a non-positive page_tokens, timeout or bound, or a negative load_weight.
@@ -77,6 +81,7 @@ class GlobalIndex(ThreadOwned):
         max_workers: int = 1024,
         max_tenants: int = 256,
         max_spans: int = 16,
+        max_capacity: int = 1 << 20,
     ):
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
@@ -86,7 +91,10 @@ class GlobalIndex(ThreadOwned):
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         if max_spans < 1:
             raise ValueError(f"max_spans must be positive, got {max_spans}")
+        if max_capacity < 1:
+            raise ValueError(f"max_capacity must be positive, got {max_capacity}")
         self.page_tokens = page_tokens
+        self.max_capacity = max_capacity
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
@@ -114,6 +122,7 @@ class GlobalIndex(ThreadOwned):
         tier: str = "cpu",
         now: float | None = None,
         peer: PeerAddress = NO_PEER_ADDRESS,
+        capacity: int = 0,
     ) -> Registration:
         """Register a new incarnation of a worker, issue its epoch, and mark it alive.
 
@@ -128,18 +137,21 @@ class GlobalIndex(ThreadOwned):
             now: the current time in seconds (default: time.monotonic()).
             peer: how peers read its pages (page server, shared-memory store, key); it
                 replaces the entry of any earlier incarnation (see `peer`).
+            capacity: pages its store holds: the most it may hold in the index; 0 (it did
+                not say) stands for DEFAULT_CAPACITY, or max_capacity if that is lower.
 
         Returns:
             A Registration with the new epoch; the next event batch carries seq 1.
 
         Raises:
-            ValueError: 256 other tiers in use, or `peer`'s key is not None nor a z85
-                key; nothing changed then.
+            ValueError: 256 other tiers in use, `peer`'s key is not None nor a z85 key, or
+                `capacity` is negative or over max_capacity; nothing changed then.
             RegistryFull: max_workers registered, each holding pages.
         """
         self._own()
         now = time.monotonic() if now is None else now
         peer = checked_peer(peer)
+        capacity = self._checked_capacity(worker_id, capacity)
         worker = self._registry.get(worker_id)
         tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
         if worker is None and self._registry.full():
@@ -154,14 +166,24 @@ class GlobalIndex(ThreadOwned):
         self._last_epoch += 1
         dropped = 0
         if worker is None:
-            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code, peer)
+            worker = self._registry.add(
+                worker_id, self._last_epoch, node_id, tier_code, peer, capacity
+            )
         else:
             dropped = self._chains.drop_all(worker)
             self._registry.release_tier(worker.tier)
             worker.epoch, worker.last_seq, worker.desynced = self._last_epoch, 0, False
         worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
-        worker.peer = peer
+        worker.peer, worker.capacity = peer, capacity
         return Registration(worker_id, worker.epoch, 0, dropped)
+
+    def _checked_capacity(self, worker_id: str, capacity: int) -> int:
+        if type(capacity) is not int or not 0 <= capacity <= self.max_capacity:
+            raise ValueError(
+                f"cannot register {worker_id!r} with a capacity of {capacity!r} pages: "
+                f"0 to {self.max_capacity} (0: the default)"
+            )
+        return capacity or min(DEFAULT_CAPACITY, self.max_capacity)
 
     def heartbeat(self, worker_id: str, epoch: int, now: float | None = None) -> bool:
         """Mark a worker alive at `now` (default: time.monotonic()); False when it is unknown
@@ -305,7 +327,8 @@ class GlobalIndex(ThreadOwned):
 
         Raises:
             ValueError: a malformed chain, a parent page not stored earlier in the
-                snapshot, or a page id listed twice; nothing changes then.
+                snapshot, a page id listed twice, or more pages than the worker's
+                capacity; nothing changes then.
         """
         self._own()
         worker = self._registry.get(worker_id)
@@ -314,6 +337,13 @@ class GlobalIndex(ThreadOwned):
             return refusal
         assert worker is not None
         packed = check_snapshot(chains, self.page_tokens)
+        pages = sum(len(chain.page_ids) for chain in chains)  # distinct: checked above
+        if pages > worker.capacity:
+            self._batches.counts["over_capacity"] += 1
+            raise ValueError(
+                f"a resync of {pages} pages from {worker_id!r}, over its capacity of "
+                f"{worker.capacity} pages"
+            )
         self._clock += 1
         self._chains.drop_all(worker)
         for chain, data in zip(chains, packed, strict=True):

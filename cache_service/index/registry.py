@@ -25,6 +25,11 @@ MAX_TIERS = 256  # tier names in use at once
 # is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
 _DENSE_PAGE_LIMIT = 1 << 22
 Z85_KEY_CHARS = 40  # a CurveZMQ public key as the mesh hands keys out
+# The capacity of a worker that registers without one (an older client, or a test that
+# registers by hand): what it may hold in the index, so that a key that does not say
+# cannot claim pages without bound either. 65,536 pages is 1M tokens at 16 a page, 32x
+# the stores `configs/` give a worker, and about 17 MiB of index.
+DEFAULT_CAPACITY = 1 << 16
 
 
 class PeerAddress(NamedTuple):
@@ -58,6 +63,7 @@ class WorkerInfo(NamedTuple):
     last_seq: int
     pages: int  # pages it holds
     needs_resync: bool
+    capacity: int  # the most pages it may hold (as it registered, or DEFAULT_CAPACITY)
 
 
 class PageMap:
@@ -124,6 +130,7 @@ class Worker:
         "desynced",
         "pages",
         "peer",
+        "capacity",
     )
 
     def __init__(
@@ -134,6 +141,7 @@ class Worker:
         node_id: str,
         tier: int,
         peer: PeerAddress = NO_PEER_ADDRESS,
+        capacity: int = DEFAULT_CAPACITY,
     ):
         self.worker_id = worker_id
         self.slot = slot  # the worker's number in the holder columns
@@ -145,6 +153,15 @@ class Worker:
         self.desynced = False  # an event batch failed: refuse batches until a resync
         self.pages = PageMap()
         self.peer = peer  # how peers read its pages, as this incarnation registered
+        self.capacity = capacity  # the most pages it may hold at once
+
+    def room_for(self, page_ids: Iterable[int]) -> bool:
+        """Whether storing `page_ids` keeps the worker within its capacity, counting the
+        ids it does not hold yet (an upper bound: storing may also let go of others)."""
+        pages = self.pages
+        room = self.capacity - pages.size
+        new = sum(pages.get(page) is None for page in page_ids)
+        return new <= room
 
 
 class RegistryFull(ValueError):
@@ -218,11 +235,12 @@ class Registry:
         node_id: str,
         tier: int,
         peer: PeerAddress = NO_PEER_ADDRESS,
+        capacity: int = DEFAULT_CAPACITY,
     ) -> Worker:
         """A new worker in a free slot (the caller made room: see `full`)."""
         assert not self.full(), f"{len(self.workers)} workers registered, the most"
         slot = self._free_slots.pop() if self._free_slots else len(self.slots)
-        worker = Worker(worker_id, slot, epoch, node_id, tier, peer)
+        worker = Worker(worker_id, slot, epoch, node_id, tier, peer, capacity)
         if slot == len(self.slots):
             self.slots.append(worker)
         else:
@@ -258,6 +276,7 @@ class Registry:
             worker.last_seq,
             worker.pages.size,
             worker.desynced,
+            worker.capacity,
         )
 
     def entry(self, worker: Worker) -> PeerEntry:
@@ -296,6 +315,9 @@ class Registry:
             assert self.slots[worker.slot] is worker, f"{worker_id} is not in its slot"
             assert worker.worker_id == worker_id, f"{worker_id} is filed as {worker.worker_id}"
             _check_peer(worker_id, worker.peer)
+            assert worker.pages.size <= worker.capacity, (
+                f"{worker_id} holds {worker.pages.size} pages, over its capacity {worker.capacity}"
+            )
         live = sum(worker is not None for worker in self.slots)
         assert live == len(self.workers), f"{live} slots taken for {len(self.workers)} workers"
         users = [0] * len(self.tiers)

@@ -6,11 +6,14 @@ For every query, queried = hit + miss + alignment_lost, and hit = local + remote
 is cached. A match adds five ints to its tenant's tally and five to its requester's; the
 cluster's figures are the sum over tenants.
 
-Bounded whatever the clients send: at most `max_tenants` salts have tallies of their own
-(later ones are summed as "(other)"); a requester has a tally only while it is a
-registered worker (anything else counts as "(unregistered)", and a removed worker's
-figures are folded into "(removed)"). The statistics never show a salt: a tenant appears
-under the name the front door gave it (`name`), or as "(unnamed)".
+Bounded whatever the clients send: a salt has a tally of its own only once the front door
+named it (`name`, at most `max_tenants` names); every other salt, whoever sends it, is
+summed in one "(unnamed)" tally and takes no place, so salts made up by a worker can
+neither push out nor hide a tenant the front door names (it names a tenant before its
+first request; what a salt was asked before its name counts as unnamed). A requester has
+a tally only while it is a registered worker (anything else counts as "(unregistered)",
+and a removed worker's figures are folded into "(removed)"). The statistics never show a
+salt: a tenant appears under its name, or as "(unnamed)".
 """
 
 from __future__ import annotations
@@ -27,11 +30,10 @@ COUNTERS = (
     "miss_tokens",
     "alignment_lost_tokens",
 )
-OTHER = "(other)"  # tenants beyond max_tenants
-UNNAMED = "(unnamed)"  # tenants the front door did not name
+UNNAMED = "(unnamed)"  # tenants the front door did not name (or beyond max_tenants names)
 UNREGISTERED = "(unregistered)"  # requesters that are not registered workers
 REMOVED = "(removed)"  # workers that were removed since
-_OTHER_SALT = None  # the tally key of OTHER (no salt is None)
+_UNNAMED_SALT = None  # the tally key of UNNAMED (no salt is None)
 
 
 class Counters:
@@ -73,9 +75,8 @@ class Tallies:
         (a registered worker's id, UNREGISTERED, or None for the front door)."""
         tally = self._by_tenant.get(salt)
         if tally is None:
-            if len(self._by_tenant) >= self.max_tenants + (_OTHER_SALT in self._by_tenant):
-                salt = _OTHER_SALT
-            tally = self._by_tenant.setdefault(salt, [0, 0, 0, 0, 0])
+            key = salt if salt in self._names else _UNNAMED_SALT
+            tally = self._by_tenant.setdefault(key, [0, 0, 0, 0, 0])
         lost = queried % self.page_tokens
         tally[0] += 1
         tally[1] += queried
@@ -96,6 +97,7 @@ class Tallies:
         left unnamed (their figures still count)."""
         if salt in self._names or len(self._names) < self.max_tenants:
             self._names[salt] = name
+            self._by_tenant.setdefault(salt, [0, 0, 0, 0, 0])  # shown from now on
 
     def shown_name(self, salt: str) -> str:
         """How the statistics show `salt`: its name, or UNNAMED."""
@@ -115,7 +117,7 @@ class Tallies:
         tenants: dict[str, Counters] = {}
         for salt, tally in self._by_tenant.items():
             cluster.add(*tally)
-            shown = OTHER if salt is _OTHER_SALT else self._names.get(salt, UNNAMED)
+            shown = UNNAMED if salt is _UNNAMED_SALT else self._names[salt]
             tenants.setdefault(shown, Counters()).add(*tally)
         requesters: dict[str, Counters] = {}
         for requester, tally in self._by_requester.items():
@@ -144,9 +146,12 @@ class Tallies:
         }
 
     def check(self, is_live: Callable[[str], bool]) -> None:
-        """The bounds hold: tenants, names, and requesters that are live workers or markers."""
+        """The bounds hold: tenants (named ones only), names, and requesters that are live
+        workers or markers."""
         assert len(self._by_tenant) <= self.max_tenants + 1, f"{len(self._by_tenant)} tenants"
         assert len(self._names) <= self.max_tenants, f"{len(self._names)} tenant names"
+        for salt in self._by_tenant:
+            assert salt is _UNNAMED_SALT or salt in self._names, "an unnamed salt has a tally"
         for requester in self._by_requester:
             assert requester in (None, UNREGISTERED, REMOVED) or is_live(requester), (
                 f"a tally for {requester!r}, which is not a live worker"

@@ -25,9 +25,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # need (shared-memory store name, page server key); GetPeer and GetPeers read it back.
 # 6: reports carry the worker's load and measured costs; ROUTE carries the prompt's
 # tokens pending on each worker (routing estimates each worker's time to first token).
-# 7: ROUTE names the routing policy.
-# 8: reports carry the worker's health. 9: spot checks and quarantine (ReportHolder,
-# GetQuarantine; the heartbeat's reply carries the quarantine list's version).
+# 7: ROUTE names the routing policy. 8: reports carry the worker's health. 9: REGISTER
+# carries the worker's capacity (pages its store holds); spot checks and quarantine
+# (ReportHolder, GetQuarantine; the heartbeat's reply carries the quarantine's version).
 PROTOCOL_VERSION = 9
 
 # Request types, then the two reply types.
@@ -141,6 +141,7 @@ MESSAGES: dict[str, MessageSchema] = {
             address=ADDRESS,
             shm_name=SHM_NAME,
             page_key=PAGE_KEY,
+            capacity=COUNT,
         ),
         body(m.Registered, f"{REGISTER}.reply", service_epoch=COUNT, epoch=COUNT),
     ),

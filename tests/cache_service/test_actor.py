@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 
+from cache_service import enroll_tokens
 from cache_service.actor import (
     RAY_NAMESPACE,
     SERVICE_NAME,
@@ -28,12 +29,14 @@ P = 4
 
 
 KEYS = MeshKeys.generate(["w1"])
+ENROLL_KEY = enroll_tokens.new_key()  # the operator's (`kvmesh up` keeps it in a file)
 
 
 @pytest.fixture
 def service(ray_local):
     """The service actor (authentication on), killed for good after the test."""
-    yield start_service(ServerConfig(host="loopback", page_tokens=P), KEYS, auth=True)
+    config = ServerConfig(host="loopback", page_tokens=P)
+    yield start_service(config, KEYS, auth=True, enroll_key=ENROLL_KEY)
     stop_service()
 
 
@@ -94,19 +97,23 @@ def _restarted(first_epoch: int) -> dict:
 
 
 def test_an_enrolled_engine_is_admitted_again_after_a_restart(service):
-    granted = ray.get(service.enroll.remote("vllm-a"))
-    assert ray.get(service.enroll.remote("vllm-a"))["keypair"] == granted["keypair"]  # its key
+    token = enroll_tokens.issue(ENROLL_KEY)
+    granted = ray.get(service.enroll.remote("vllm-a", token))
+    assert ray.get(service.enroll.remote("vllm-a", token))["keypair"] == granted["keypair"]
     assert granted["secret"] == KEYS.secret and granted["page_tokens"] == P
     for bad, why in (("w1", "one of the mesh's own workers"), ("a b", "an engine's worker id")):
         with pytest.raises(ray.exceptions.RayTaskError, match=why):
-            ray.get(service.enroll.remote(bad))
+            ray.get(service.enroll.remote(bad, enroll_tokens.issue(ENROLL_KEY)))
     pair = KeyPair(*granted["keypair"])
     with ServiceClient(ray_resolver(), timeout_s=0.5, retries=2, client_keys=pair) as client:
         assert client.register("vllm-a", "n1").service_epoch == granted["endpoint"]["epoch"]
         ray.kill(service, no_restart=False)
         second = _restarted(granted["endpoint"]["epoch"])
-        # The new incarnation admits the engine's key (kept in Ray's key-value store).
+        # The new incarnation admits the engine's key (kept in Ray's key-value store), and
+        # the engine enrolling again with its token keeps its identity.
         assert client.register("vllm-a", "n1").service_epoch == second["epoch"]
+        again = ray.get(get_service().enroll.remote("vllm-a", token))
+        assert again["keypair"] == granted["keypair"]
     stop_service()
     # A mesh started afterwards in this cluster does not know the old engine.
     start_service(ServerConfig(host="loopback", page_tokens=P), KEYS, auth=True)

@@ -31,6 +31,7 @@ from cache_service.index import (
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
 from cache_service.index.key_table import KeyTable
+from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
 
@@ -301,6 +302,7 @@ def test_gap_needs_resync_and_resync_restores():
         "duplicates": 0,
         "resyncs_requested": 1,
         "resyncs": 1,
+        "over_capacity": 0,
     }
     index.check_integrity()
 
@@ -422,7 +424,7 @@ def test_each_registration_is_a_new_epoch_that_drops_the_old_ones_holdings():
     again = index.register("a", node_id="node1", now=2.0)
     assert again == Registration("a", again.epoch, 0, 2) and again.epoch > first
     assert again.epoch > epoch(index, "b") > first  # issued in order, never twice
-    info = WorkerInfo("a", again.epoch, "node1", "cpu", 2.0, 0, 0, False)
+    info = WorkerInfo("a", again.epoch, "node1", "cpu", 2.0, 0, 0, False, DEFAULT_CAPACITY)
     assert index.worker_info("a") == info
     assert spans(index.match(NS, make_tokens(1, 2))) == [("b", (0,))]
     assert index.apply_events("a", first, 2, []) == ApplyResult(False, True, "epoch_mismatch", 0)
@@ -531,6 +533,9 @@ def test_removed_worker_loses_everything_and_its_slot_is_reused():
 def test_tenants_never_share_pages():
     other = Namespace(NS.model, NS.adapter, "tenant-b")
     index = make_index("a", "b")
+    # Named first, as the front door does: a salt has figures of its own once named.
+    index.name_tenant(NS.salt, "acme")
+    index.name_tenant("tenant-b", "globex")
     apply_ok(index, "a", 1, stored((0, 1), (1, 2)))
 
     assert index.match(other, make_tokens(1, 2), requester="b") == MatchResult(0, ())
@@ -539,8 +544,6 @@ def test_tenants_never_share_pages():
     assert spans(index.match(NS, make_tokens(1, 2))) == [("a", (0, 1))]
     assert index.match(Namespace(NS.model, "lora-1", NS.salt), make_tokens(1)).matched_tokens == 0
 
-    index.name_tenant(NS.salt, "acme")
-    index.name_tenant("tenant-b", "globex")
     tenants = index.stats()["tenants"]
     assert tenants["acme"]["hit_tokens"] == 2 * P
     assert tenants["globex"]["hit_tokens"] == P
@@ -553,17 +556,19 @@ def test_statistics_stay_bounded_and_show_no_salts():
     index = make_index("a", "b", max_tenants=2)
     apply_ok(index, "a", 1, stored((0,), (1,)))
     index.name_tenant("s0", "zero")
-    for salt in ("s0", "s1", "s2", "s3"):  # s2 and s3 are beyond max_tenants
+    index.name_tenant("s1", "one")
+    index.name_tenant("s2", "two")  # a third name does not fit
+    for salt in ("s0", "s1", "s2", "s3"):  # s2 has no name, s3 was never named
         index.match(Namespace("m", "", salt), make_tokens(1), requester="a")
-    index.name_tenant("s2", "two")  # a third name does not fit either
     index.match(NS, make_tokens(1), requester="nobody")  # not a worker
     index.match(NS, make_tokens(1), requester="b")
     index.remove_worker("b", "bye")
     stats = index.stats()
+    # Unnamed salts share one tally and take no place of a name.
     assert {name: c["queries"] for name, c in stats["tenants"].items()} == {
         "zero": 1,
-        "(unnamed)": 1,
-        "(other)": 4,
+        "one": 1,
+        "(unnamed)": 4,
     }
     assert {w: c["queries"] for w, c in stats["workers"].items()} == {
         "a": 4,

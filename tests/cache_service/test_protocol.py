@@ -139,7 +139,9 @@ SAMPLE_REPORT = message_types.EMPTY_REPORT._replace(
     ttft_hit=message_types.Observed((0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0.11),
 )
 SAMPLE_REQUESTS = {
-    "register": Register("w0", "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, PAGE_KEY),
+    "register": Register(
+        "w0", "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, PAGE_KEY, capacity=2048
+    ),
     "heartbeat": Heartbeat("w0", 3, 0.25, SAMPLE_REPORT),
     "events": PublishEvents(
         "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
@@ -349,7 +351,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 9  # 9: spot checks and quarantine
+    assert PROTOCOL_VERSION == 9  # 9: capacities, spot checks, quarantine
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -543,6 +545,7 @@ REQUEST_BODIES = {
         address=st.text(max_size=30),
         shm_name=shm_names,
         page_key=page_keys,
+        capacity=counts,
     ),
     "heartbeat": st.builds(
         Heartbeat,
@@ -1326,7 +1329,7 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=5), BAD_VERSION),  # the version before load reports
         (raw_frame(MATCH, {}, v=6), BAD_VERSION),  # the version before routing policies
         (raw_frame(MATCH, {}, v=7), BAD_VERSION),  # the version before health in reports
-        (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before spot checks
+        (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before capacities and spot checks
         (raw_frame(MATCH, {}, v=10), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),

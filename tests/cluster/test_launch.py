@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cache_service import enroll_tokens
 from tests.conftest import kvmesh_segments
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,18 @@ def test_up_status_attach_down(operator):
     head_pid, temp_dir = record["head_pid"], record["ray_temp_dir"]
     assert head_pid in processes_mentioning("--head")
     assert "w0" in up.stdout and "w1" in up.stdout and "kvmesh is up" in up.stdout
+    # The key of the enrollment tokens, readable by this user alone; `up` printed a token
+    # of it and `enroll-token` issues more.
+    key_file = root / "state" / "enroll.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = bytes.fromhex(key_file.read_text())
+    printed = up.stdout.split("an enrollment token for one vLLM engine: ")[1].split()[0]
+    issued = kvmesh("enroll-token", "--count", "2", env=env)
+    assert issued.returncode == 0, issued.stderr
+    tokens = [printed, *issued.stdout.split()]
+    assert len(set(tokens)) == 3
+    for token in tokens:
+        enroll_tokens.check(key, token)
 
     # A second `up` is refused, on this machine and in that cluster.
     again = kvmesh("up", "--config", config, env=env)
@@ -124,6 +137,7 @@ def test_up_status_attach_down(operator):
     assert down.returncode == 0, down.stderr
     assert "kvmesh is down" in down.stdout
     assert not (root / "state" / "mesh.json").exists()
+    assert not key_file.exists()
     assert processes_mentioning(temp_dir) == []  # the head and every Ray process it ran
     assert not kvmesh_segments()
 
@@ -131,6 +145,8 @@ def test_up_status_attach_down(operator):
     assert after.returncode == 1 and "no `kvmesh up` is recorded" in after.stderr
     again = kvmesh("down", env=env)
     assert again.returncode == 0 and "nothing to stop" in again.stderr
+    after = kvmesh("enroll-token", env=env)
+    assert after.returncode == 1 and "where `kvmesh up` ran" in after.stderr
 
 
 def test_up_with_a_bad_config_starts_nothing(operator):

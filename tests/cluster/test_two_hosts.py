@@ -510,11 +510,14 @@ def test_vllm_engines_on_two_hosts_share_a_prefix_through_page_servers(hosts, me
     folder = model_dir()
     prefix, suffixes = shared_prompts(2)
     prompts = [prefix[:512] + suffix for suffix in suffixes]  # four blocks shared, then 64
+    issued = hosts.a.run(kvmesh, "enroll-token", "--count", "2", env=hosts.env)
+    assert issued.returncode == 0, issued.stderr[-3000:]
+    token_a, token_b = issued.stdout.split()
     engines = start_engines(
         {
             # Both Ray nodes run on this one machine: each engine names its own.
-            "a": kvmesh_engine(folder, hosts.ray_address, "vllm-a", hosts.a.address),
-            "b": kvmesh_engine(folder, hosts.ray_address, "vllm-b", hosts.b.address),
+            "a": kvmesh_engine(folder, hosts.ray_address, "vllm-a", token_a, hosts.a.address),
+            "b": kvmesh_engine(folder, hosts.ray_address, "vllm-b", token_b, hosts.b.address),
         },
         hosts.logs,
         wrappers={"a": hosts.a.command(), "b": hosts.b.command()},

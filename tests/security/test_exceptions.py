@@ -17,6 +17,7 @@ import pytest
 import cache_service
 import cluster
 import workers
+from cache_service.enroll_tokens import BadToken
 from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
@@ -42,6 +43,7 @@ SAMPLES = [
     (OwnerError("owned by another thread"), ()),
     (StaleEpoch("worker 'w0' is at epoch 7, not 6"), ()),
     (RegistryFull("1024 workers registered, each holding pages"), ()),
+    (BadToken("this enrollment token was not issued for this mesh"), ()),
     (ConfigError("unknown key 'x'"), ()),
     (KvmeshError("cannot be done"), ()),
     (PlacementError("cannot place 3 workers of CPU 1 each"), ()),

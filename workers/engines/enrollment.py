@@ -1,8 +1,9 @@
 """Who a vLLM engine is in the mesh: its enrollment through Ray, and its namespaces.
 
 The engine joins the mesh's Ray cluster (a running `kvmesh up`) and asks the service actor
-to enroll it (`ServiceActor.enroll`), which gives it a CurveZMQ key bound to its worker id
-and the mesh secret. It then registers like any worker (its store's shared-memory name,
+to enroll it (`ServiceActor.enroll`) with an enrollment token the operator issued (`kvmesh
+up` prints one, `kvmesh enroll-token` more), which gives it a CurveZMQ key bound to its
+worker id and the mesh secret. It then registers like any worker (its store's shared-memory name,
 its node), heartbeats and publishes, so it shows in `kvmesh status`, the dashboard and
 the metrics. Its page server admits the keys of the mesh's enrolled engines (who else
 could hold a page of an engine's namespace), including those that enroll after it
@@ -15,7 +16,9 @@ never meet a kvmesh worker's float32 pages.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import NamedTuple
@@ -31,6 +34,7 @@ DEFAULT_TENANT = "default"  # the salt of requests without a cache_salt
 # An engine's clients skip a service that did not answer for this long: vLLM's loops must
 # never wait on the mesh.
 SERVICE_BACKOFF_S = 5.0
+TOKEN_ENV = "KVMESH_ENROLL_TOKEN"  # where `join_mesh` finds a token it was not given
 
 
 class Enrollment(NamedTuple):
@@ -90,18 +94,24 @@ def engine_namespace(
 
 
 def join_mesh(
-    worker_id: str, ray_address: str = "auto", node_ip_address: str | None = None
+    worker_id: str,
+    ray_address: str = "auto",
+    node_ip_address: str | None = None,
+    token: str | None = None,
 ) -> Enrollment:
     """Join the mesh of the Ray cluster at `ray_address` as worker `worker_id`.
 
     Args:
+        token: the enrollment token the operator issued for this engine; None: the one
+            in $KVMESH_ENROLL_TOKEN. Every process of one engine joins with the same one.
         node_ip_address: the address of this machine's Ray node, where several Ray nodes
             share the machine (Ray otherwise attaches a driver to the head node among
             them); None lets Ray pick this machine's node.
 
     Raises:
-        RuntimeError: no mesh runs in that cluster, the service refused the id, or the
-            Ray node joined is not on this machine (its shared memory is not ours).
+        RuntimeError: no token, no mesh runs in that cluster, the service refused the id
+            or the token, or the Ray node joined is not on this machine (its shared memory
+            is not ours).
     """
     import ray
 
@@ -116,6 +126,12 @@ def join_mesh(
             _node_ip_address=node_ip_address,
         )
     _check_local_node(ray.util.get_node_ip_address())
+    token = token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise RuntimeError(
+            f"engine {worker_id!r} has no enrollment token: set enroll_token in "
+            f"kv_connector_extra_config (or {TOKEN_ENV}) to one `kvmesh enroll-token` printed"
+        )
     try:
         service = get_service()
     except ValueError:
@@ -123,7 +139,7 @@ def join_mesh(
             f"no kvmesh mesh runs in the Ray cluster at {ray_address!r}: start one with `kvmesh up`"
         ) from None
     try:
-        data = ray.get(service.enroll.remote(worker_id), timeout=30)
+        data = ray.get(service.enroll.remote(worker_id, token), timeout=30)
     except ray.exceptions.RayTaskError as exc:
         raise RuntimeError(f"the mesh refused engine {worker_id!r}: {exc.cause}") from None
     pages = data.get("pages") or {}  # the launcher's page-server settings, if any
@@ -160,20 +176,14 @@ def _check_local_node(address: str) -> None:
             ) from None
 
 
-def _check_local_node(address: str) -> None:
-    """An engine's node must be this machine: its peers on the node read its store's
-    shared memory, and it binds its page server to the node's address.
+def default_engine_id(token: str | None) -> str:
+    """An engine's worker id when its configuration names none: the same in each of its
+    processes (they share the token), another for each token.
 
     Raises:
-        RuntimeError: `address` is not an address of this machine.
+        RuntimeError: no token, in `token` or $KVMESH_ENROLL_TOKEN.
     """
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            raise RuntimeError(
-                f"the Ray node this engine joined ({address}) is not on this machine: set "
-                f"node_ip_address in kv_connector_extra_config to this machine's Ray node "
-                f"address"
-            ) from None
+    token = token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise RuntimeError(f"no enrollment token: set enroll_token (or {TOKEN_ENV})")
+    return f"vllm-{socket.gethostname()[:40]}-{hashlib.sha256(token.encode()).hexdigest()[:8]}"

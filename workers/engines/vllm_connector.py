@@ -6,12 +6,14 @@ Load it with vLLM's `--kv-transfer-config` (or `LLM(kv_transfer_config=...)`):
      "kv_connector_module_path": "workers.engines.vllm_connector",
      "kv_role": "kv_both",
      "kv_load_failure_policy": "recompute",
-     "kv_connector_extra_config": {"engine_id": "vllm-a", "ray_address": "auto"}}
+     "kv_connector_extra_config": {"engine_id": "vllm-a", "enroll_token": "..."}}
 
-Extra config: `engine_id` (its worker id in the mesh; default "vllm-<host>-<pid>"),
-`ray_address` (the Ray cluster of a running `kvmesh up`; default "auto"), `num_blocks`
-(blocks the engine's kvmesh store keeps; default 64), `model_name`
-(the name engines of one model share under; default vLLM's served model name),
+Extra config: `enroll_token` (a token from `kvmesh enroll-token`, spent by this engine;
+default $KVMESH_ENROLL_TOKEN), `engine_id` (its worker id in the mesh; default
+"vllm-<host>-<a digest of its token>"), `ray_address` (the Ray cluster of a running
+`kvmesh up`; default "auto"), `num_blocks` (blocks the engine's kvmesh store keeps;
+default 64), `model_name` (the name engines of one model share under; default vLLM's
+served model name),
 `node_ip_address` (this machine's Ray node, where several Ray nodes share one machine;
 default: Ray's choice).
 
@@ -37,8 +39,6 @@ memcpy, well below a prefill of the same tokens.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from workers.engines.blocks import engine_layout, kv_layers
 from workers.engines.engine import EngineCache, EngineIndex, LoadSpec, SaveSpec
-from workers.engines.enrollment import engine_namespace, join_mesh
+from workers.engines.enrollment import default_engine_id, engine_namespace, join_mesh
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,7 +98,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = vllm_config.cache_config.block_size
-        self.engine_id = str(extra.get("engine_id") or f"vllm-{socket.gethostname()}-{os.getpid()}")
+        token = extra.get("enroll_token")
+        self.engine_id = str(extra.get("engine_id") or default_engine_id(token))
         self.num_blocks = int(extra.get("num_blocks", DEFAULT_NUM_BLOCKS))
         model = vllm_config.model_config
         self.model_name = str(extra.get("model_name") or model.served_model_name or model.model)
@@ -106,6 +107,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             self.engine_id,
             str(extra.get("ray_address", "auto")),
             extra.get("node_ip_address"),
+            token,
         )
         # The KV format: known to the worker from its caches; the scheduler derives the
         # same string from the model config (checked against the worker's at first save).

@@ -1,7 +1,8 @@
 """A vLLM engine in a process of its own, driven by JSON lines: for the tests and
 `kvmesh bench vllm`, which run in the main venv while vLLM lives in its own.
 
-    python -m workers.engines.vllm_engine --model DIR [--kvmesh ENGINE_ID] [--example-connector DIR]
+    python -m workers.engines.vllm_engine --model DIR [--kvmesh ENGINE_ID --enroll-token TOKEN]
+        [--example-connector DIR]
 
 Each line on stdin is a request, `{"prompt_token_ids": [...], "max_tokens": n,
 "cache_salt": s}` (cache_salt optional); each line on stdout its answer,
@@ -30,6 +31,7 @@ def kv_transfer_config(args: argparse.Namespace) -> dict | None:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "engine_id": args.kvmesh,
+                "enroll_token": args.enroll_token,
                 "ray_address": args.ray_address,
                 "num_blocks": args.num_blocks,
                 "model_name": args.model_name,
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="an HF model folder")
     parser.add_argument("--model-name", default="smollm2-135m")
     parser.add_argument("--kvmesh", metavar="ENGINE_ID", help="join the mesh as this engine")
+    parser.add_argument("--enroll-token", help="a token from `kvmesh enroll-token`")
     parser.add_argument("--ray-address", default="auto")
     parser.add_argument("--node-ip-address", help="this machine's Ray node (default: Ray's pick)")
     parser.add_argument("--num-blocks", type=int, default=64)

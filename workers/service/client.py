@@ -232,6 +232,7 @@ class ServiceClient:
         address: str = "",
         shm_name: str = "",
         page_key: bytes | None = None,
+        capacity: int = 0,
     ) -> Registered:
         """Register a new incarnation of this worker, with how its peers reach its pages.
 
@@ -241,6 +242,8 @@ class ServiceClient:
             shm_name: its shared-memory page store, for peers on its node ("" if none).
             page_key: its page server's CurveZMQ public key (z85, as `KeyPair.public`);
                 None when page reads are not authenticated.
+            capacity: pages its page store holds, the most the service lets it hold in
+                the index (0: the service's default).
 
         Returns:
             Registered(service_epoch, epoch): the epoch to carry on every later message.
@@ -249,7 +252,7 @@ class ServiceClient:
             ServiceError: code "forbidden" when the service authenticates and `page_key`
                 is not this worker's own key.
         """
-        return self.call(Register(worker_id, node_id, tier, address, shm_name, page_key))
+        return self.call(Register(worker_id, node_id, tier, address, shm_name, page_key, capacity))
 
     def heartbeat(
         self, worker_id: str, epoch: int, load: float = 0.0, report: WorkerReport = EMPTY_REPORT

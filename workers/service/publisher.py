@@ -47,6 +47,8 @@ class EventPublisher:
         shm_name: its shared-memory page store, which peers on its node attach to.
         page_key: its page server's public key (z85); None when page reads are not
             authenticated. The service hands these to peers (`ServiceClient.peer`).
+        capacity: pages the worker's store holds, the most the service lets it hold in the
+            index; None: the cache's own page count (a cache over the store holds them all).
         load: the worker's current load, sent with each heartbeat.
         report: the worker's figures, sent with each heartbeat (for the service's metrics).
         on_new_service: called when a new service incarnation answered (its epoch changed),
@@ -63,6 +65,7 @@ class EventPublisher:
         address: str = "",
         shm_name: str = "",
         page_key: bytes | None = None,
+        capacity: int | None = None,
         load: Callable[[], float] = lambda: 0.0,
         report: Callable[[], WorkerReport] = lambda: EMPTY_REPORT,
         on_new_service: Callable[[], None] = lambda: None,
@@ -75,6 +78,7 @@ class EventPublisher:
         self.address = address
         self.shm_name = shm_name
         self.page_key = page_key
+        self.capacity = int(cache.stats()["total_pages"]) if capacity is None else capacity
         self._load = load
         self._report = report
         self._on_new_service = on_new_service
@@ -195,7 +199,13 @@ class EventPublisher:
 
     def _register_and_resync(self) -> None:
         registered = self.client.register(
-            self.worker_id, self.node_id, self.tier, self.address, self.shm_name, self.page_key
+            self.worker_id,
+            self.node_id,
+            self.tier,
+            self.address,
+            self.shm_name,
+            self.page_key,
+            self.capacity,
         )
         moved = self.service_epoch is not None and registered.service_epoch != self.service_epoch
         self.service_epoch, self.epoch, self.seq = registered.service_epoch, registered.epoch, 0

@@ -54,8 +54,8 @@ def started(mesh, tmp_path_factory):
     gcs, folder = ray.get_runtime_context().gcs_address, model_dir()
     engines = start_engines(
         {
-            "a": kvmesh_engine(folder, gcs, "vllm-a"),
-            "b": kvmesh_engine(folder, gcs, "vllm-b"),
+            "a": kvmesh_engine(folder, gcs, "vllm-a", mesh.enrollment_token()),
+            "b": kvmesh_engine(folder, gcs, "vllm-b", mesh.enrollment_token()),
             "n": ["--model", str(folder)],
         },
         tmp_path_factory.mktemp("vllm-logs"),
@@ -168,9 +168,9 @@ def test_a_forged_entry_is_refused_and_recomputed(mesh, engines, prompts):
     reference = b.generate(victim, 10, "reference-4")
     computed = {"local_hit": 0, "remote_hit": 0, "computed": len(victim)}
     assert wait_served(mesh, "vllm-b", start, len(victim)) == computed
-    # An engine x (anyone inside the Ray cluster can enroll) says A's pages of `honest`
+    # An engine x (enrolled with a token the operator issued) says A's pages of `honest`
     # hold `victim`'s prefix in tenant-4's namespace.
-    granted = ray.get(get_service().enroll.remote("vllm-x"))
+    granted = ray.get(get_service().enroll.remote("vllm-x", mesh.enrollment_token()))
     namespace = engine_namespace("smollm2-135m", KV_FORMAT, granted["secret"], "tenant-4")
     endpoint = ServiceEndpoint(granted["endpoint"]["address"], granted["endpoint"]["server_key"])
     with ServiceClient(endpoint, timeout_s=5.0, client_keys=KeyPair(*granted["keypair"])) as x:
