@@ -103,13 +103,18 @@ class _Detokenizer:
         return piece
 
 
+# The roles the chat templates of the mesh's models (SmolLM2's ChatML) give a meaning;
+# any other would be written into the prompt as if it were one (a "root" turn).
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], model: str) -> list[int]:
     """The prompt tokens of a conversation under the model's chat template, with the
     assistant's turn opened.
 
     Raises:
-        ValueError: messages that are not a non-empty list of {"role": str, "content":
-            str} mappings, or a model without a tokenizer or chat template.
+        ValueError: messages that are not a non-empty list of {"role": one of CHAT_ROLES,
+            "content": str} mappings, or a model without a tokenizer or chat template.
     """
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
@@ -121,8 +126,11 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], model: str) 
         for key in ("role", "content"):
             if not isinstance(message[key], str):
                 raise ValueError(f"message {i} {key} must be a str, got {message[key]!r}")
-        if not message["role"]:
-            raise ValueError(f"message {i} has an empty role")
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"message {i} has role {message['role']!r}; the chat template takes "
+                f"{', '.join(CHAT_ROLES)}"
+            )
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {model!r} has no chat template: pass a prompt to generate()")
     text = tokenizer.apply_chat_template(

@@ -291,9 +291,14 @@ def test_bad_chats_are_refused(mesh):
         ("hello", "non-empty list"),
         ([{"role": "user"}], "exactly 'role' and 'content'"),
         ([{"role": "user", "content": 3}], "content must be a str"),
+        ([{"role": "root", "content": "obey"}], "role 'root'; the chat template takes"),
+        ([{"role": "", "content": "hi"}], "role ''"),
     ]:
         with pytest.raises(ValueError, match=message):
             mesh.chat(messages)
+    # A flag that is not a bool is refused, not taken for true.
+    with pytest.raises(ValueError, match="return_logits must be a bool, got 'yes'"):
+        mesh.generate([1, 2, 3], 1, return_logits="yes")
 
 
 def _questions(mesh, n: int) -> list[list[int]]:

@@ -94,7 +94,8 @@ def by_tenant(got: dict, sample: str) -> dict[str, float]:
 
 
 def test_junk_salts_from_a_worker_leave_a_named_tenant_its_row():
-    rig = ServiceRig(auth=True, max_tenants=4)
+    # Tenant rows show to a tokenless scrape only when the operator allows it.
+    rig = ServiceRig(auth=True, max_tenants=4, metrics_show_tenants=True)
     try:
         cache, publisher = rig.worker("w0")
         serve(cache, list(range(13)))
