@@ -329,8 +329,10 @@ class MeshMember:
         end = outcome.end
         ranges = [(r.task.holder, r.task.first, min(r.task.end, end)) for r in outcome.results]
         ranges = [r for r in ranges if r[1] < r[2]]
-        if recompute is not None and ranges and not self._checks_pass(
-            allocation, tokens, ranges, expected, recompute
+        if (
+            recompute is not None
+            and ranges
+            and not self._checks_pass(allocation, tokens, ranges, expected, recompute)
         ):
             return first
         for holder, lo, hi in ranges:
@@ -433,7 +435,9 @@ class MeshMember:
         still = [p for p in pages if now[p] == pending[p]]
         dropped, held = self.cache.drop(still)
         if dropped:
-            log.warning("%s dropped %d copied pages of quarantined holders", self.worker_id, dropped)
+            log.warning(
+                "%s dropped %d copied pages of quarantined holders", self.worker_id, dropped
+            )
             self.dropped_pages += dropped
         # Pages a request holds, or has not published yet (its copy landed before the
         # list changed), are tried again next round; a freed one until it is reused.

@@ -227,9 +227,7 @@ MESSAGES: dict[str, MessageSchema] = {
     ),
     QUARANTINE: MessageSchema(
         body(m.GetQuarantine, QUARANTINE),
-        body(
-            m.QuarantineList, f"{QUARANTINE}.reply", holders=IDS, digests=DIGESTS, version=COUNT
-        ),
+        body(m.QuarantineList, f"{QUARANTINE}.reply", holders=IDS, digests=DIGESTS, version=COUNT),
     ),
 }
 ERROR_BODY = body(m.ErrorReply, ERROR, code=ID, message=TEXT)

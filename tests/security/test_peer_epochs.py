@@ -27,9 +27,7 @@ def _member(rig, worker_id: str, node_id: str) -> MeshMember:
     if rig.auth:
         keys, secret = rig.keys.workers[worker_id], rig.keys.secret
         readers = frozenset(pair.public for pair in rig.keys.workers.values())
-    membership = Membership(
-        worker_id, node_id, rig.endpoint, keys, secret, page_readers=readers
-    )
+    membership = Membership(worker_id, node_id, rig.endpoint, keys, secret, page_readers=readers)
     member = MeshMember(membership, LAYOUT, PrefixCacheConfig(page_tokens=4))
     member.publisher.sync()
     return member

@@ -92,9 +92,7 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
         assert stats["quarantines"] == 1 and stats["tainted_digests"] >= 20
 
         # w0 may not come back until the operator clears it.
-        wait_until(
-            lambda: "w0" not in mesh.service_client.stats()["workers"], 30, "w0 kept out"
-        )
+        wait_until(lambda: "w0" not in mesh.service_client.stats()["workers"], 30, "w0 kept out")
         assert ray.get(service.clear_quarantine.remote("w0"))
         assert not ray.get(service.clear_quarantine.remote("w0"))
         wait_until(lambda: "w0" in mesh.service_client.stats()["workers"], 30, "w0 back")

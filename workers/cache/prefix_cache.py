@@ -213,9 +213,7 @@ class PrefixCache:
                 removed += self._drop_from(run, i, below)
             if removed:
                 self._allocator.free(removed)
-                self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(
-                    removed
-                )
+                self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
                 self._events.append(PagesRemoved(tuple(removed), reason))
             return len(removed), held
 

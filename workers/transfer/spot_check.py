@@ -56,6 +56,8 @@ def tolerance(dtype: str) -> float:
     except KeyError:
         known = sorted(TOLERANCES)
         raise ValueError(f"no spot-check tolerance for {dtype!r}; known: {known}") from None
+
+
 _MAX_TRUSTED = 4096  # holders remembered as checked (the oldest is checked again)
 _EMPTY = bytes(16)  # the digest a page records before it is published (EMPTY_DIGEST)
 
