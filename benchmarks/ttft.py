@@ -12,6 +12,14 @@ other. Each round uses a fresh tenant, so nothing carries over between rounds:
 
 `suffix_only_s` is the model's own time for the 64-token suffix with the prefix already
 in its cache (the forward pass of the local run). Medians over the rounds.
+
+What the spot checks cost a remote hit (`workers.transfer.spot_check`), side by side in
+each round: two more prefixes (fresh tenants) near computes and far copies, one with
+far's copies always checked and one with none checked, in alternating order. The figures
+above run at the configured rate (`workers.spot_check_rate`); `spot_check_cost` is what
+one check adds to a remote hit's TTFT, `spot_check_cost_at_rate` that times the rate (a
+holder's first copy is always checked: the first round's remote hit above is one).
+A local hit copies nothing and checks nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 import cluster
-from cluster.config import config_from_dict
+from cluster.config import WorkersConfig, config_from_dict
 
+RATE = WorkersConfig().spot_check_rate  # the configured default
 PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 64
 ROUNDS = 5
@@ -52,6 +61,28 @@ def _copy_bytes(mesh, worker: str) -> dict[str, int]:
     return ray.get(mesh.workers[worker].stats.remote()).copy_bytes
 
 
+def _set_spot_check_rate(worker, rate: float) -> None:
+    """In a worker's process: check copies at `rate` from now on."""
+    worker.member.spot_checks.rate = rate
+
+
+def _checked_and_not(mesh, near: str, far: str, rng: random.Random, round_: int):
+    """(TTFT of a remote hit whose copy far checks, of one it does not), in one round."""
+    times = {}
+    order = (1.0, 0.0) if round_ % 2 == 0 else (0.0, 1.0)
+    for rate in order:
+        tenant = f"bench-check-{rate}-{round_}"
+        prefix = _tokens(rng, PREFIX_TOKENS)
+        mesh.generate(prefix + _tokens(rng, SUFFIX_TOKENS), 1, tenant=tenant, worker=near)
+        mesh.flush()
+        ray.get(mesh.workers[far].__ray_call__.remote(_set_spot_check_rate, rate))
+        copied = mesh.generate(prefix + _tokens(rng, SUFFIX_TOKENS), 1, tenant=tenant, worker=far)
+        assert copied.stats["remote_hit_tokens"] == PREFIX_TOKENS
+        times[rate] = copied.stats["ttft_s"]
+    ray.get(mesh.workers[far].__ray_call__.remote(_set_spot_check_rate, RATE))
+    return times[1.0], times[0.0]
+
+
 def run(log=sys.stderr) -> dict[str, float]:
     """Run the benchmark; returns the named figures (also the JSON line of the CLI)."""
     sim = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -70,6 +101,7 @@ def run(log=sys.stderr) -> dict[str, float]:
         rng = random.Random(0)
         cold, local, remote, suffix_only, copy = [], [], [], [], []
         several, several_copy = [], []
+        checked, unchecked = [], []
         shares = {"same_node": 0, "remote": 0}  # bytes the asker copied, by kind
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1}/{ROUNDS}...", file=log)
@@ -97,6 +129,10 @@ def run(log=sys.stderr) -> dict[str, float]:
             remote.append(copied.stats["ttft_s"])
             suffix_only.append(hit.stats["prefill_forward_s"])
             copy.append(copied.stats["copy_s"])
+            with_check, without = _checked_and_not(mesh, near, far, rng, round_)
+            checked.append(with_check)
+            unchecked.append(without)
+        checks = ray.get(mesh.workers[far].stats.remote()).trust
         mesh.check_integrity()
     finally:
         mesh.shutdown()
@@ -105,6 +141,7 @@ def run(log=sys.stderr) -> dict[str, float]:
     cold_s, local_s = statistics.median(cold), statistics.median(local)
     remote_s, suffix_s = statistics.median(remote), statistics.median(suffix_only)
     several_s = statistics.median(several)
+    cost = statistics.median(c / u for c, u in zip(checked, unchecked, strict=True)) - 1
     return {
         "prefix_tokens": PREFIX_TOKENS,
         "suffix_tokens": SUFFIX_TOKENS,
@@ -124,4 +161,12 @@ def run(log=sys.stderr) -> dict[str, float]:
         "remote_vs_local": round(remote_s / local_s, 3),
         "several_vs_local": round(several_s / local_s, 3),
         "speedup_local": round(cold_s / local_s, 2),
+        "spot_check_rate": RATE,
+        "ttft_remote_checked_s": round(statistics.median(checked), 4),
+        "ttft_remote_unchecked_s": round(statistics.median(unchecked), 4),
+        # per round, checked over unchecked, then the median: one check's share of a hit
+        "spot_check_cost": round(cost, 4),
+        "spot_check_cost_at_rate": round(cost * RATE, 4),
+        "far_spot_checks": checks["checks"],
+        "far_spot_check_failures": checks["failures"],
     }

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cache_service import enroll_tokens
 from cache_service.auth import KeyPair, MeshKeys, tenant_salt
 from cache_service.malloc import keep_large_blocks_mapped
+from cache_service.quarantine import Quarantine
 from cache_service.server import ServerConfig, make_server
 
 SERVICE_NAME = "kvmesh-service"
@@ -69,7 +70,15 @@ class ServiceActor:
         self.mesh = dict(mesh or {})
         self._enroll_key = enroll_key  # never handed out: `credentials` is not it
         keep_large_blocks_mapped()  # this process is the service's: the index's memory
-        self.server = make_server(self.config, self.keys.server_keys() if auth else None)
+        # Members in quarantine stay there across restarts of this actor (Ray's key-value
+        # store keeps them, as it keeps the enrolled engines).
+        quarantine = Quarantine(on_change=_keep_quarantine)
+        saved = _kept(_QUARANTINE_KEY)
+        if saved is not None:
+            quarantine.restore(saved)
+        self.server = make_server(
+            self.config, self.keys.server_keys() if auth else None, quarantine=quarantine
+        )
         self.server.start()
         self.started = time.time()
         # Engines that joined since (`enroll`, each with a token), kept in Ray's key-value
@@ -196,11 +205,7 @@ _ENROLLED_KEY = b"kvmesh-enrolled-engines"
 def _enrolled() -> dict[str, Enrolled]:
     """The engines enrolled by earlier incarnations of the service actor (none outside
     Ray, as in the tests that build the actor class directly)."""
-    from ray.experimental import internal_kv
-
-    if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
-        return {}
-    raw = internal_kv._internal_kv_get(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
+    raw = _kept(_ENROLLED_KEY)
     if raw is None:
         return {}
     return {
@@ -228,6 +233,27 @@ def _forget_enrolled() -> None:
 
     if ray.is_initialized() and internal_kv._internal_kv_initialized():
         internal_kv._internal_kv_del(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
+        internal_kv._internal_kv_del(_QUARANTINE_KEY, namespace=RAY_NAMESPACE)
+
+
+_QUARANTINE_KEY = b"kvmesh-quarantine"
+
+
+def _kept(key: bytes) -> bytes | None:
+    """What an earlier incarnation of the actor kept under `key` (None outside Ray)."""
+    from ray.experimental import internal_kv
+
+    if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
+        return None
+    return internal_kv._internal_kv_get(key, namespace=RAY_NAMESPACE)
+
+
+def _keep_quarantine(quarantine: Quarantine) -> None:
+    from ray.experimental import internal_kv
+
+    if ray.is_initialized() and internal_kv._internal_kv_initialized():
+        raw = quarantine.saved()
+        internal_kv._internal_kv_put(_QUARANTINE_KEY, raw, overwrite=True, namespace=RAY_NAMESPACE)
 
 
 def resolve_host(host: str) -> str:

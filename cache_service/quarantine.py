@@ -19,6 +19,10 @@ evidence for the operator, and the list is bounded (MAX_QUARANTINED holders,
 MAX_TAINTED digests: the oldest digests go first, their copies are then only as safe as
 the spot checks make them).
 
+The service actor keeps the list in Ray's key-value store (`on_change`, `saved`,
+`restored`), as it keeps the enrolled engines: a restarted service refuses the same
+members.
+
 Pure Python, no sockets: the request handlers hold one `Quarantine`.
 """
 
@@ -28,6 +32,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import msgpack
 
 DIGEST_BYTES = 16
 MAX_QUARANTINED = 256  # holders in quarantine at once (a full list refuses more)
@@ -51,10 +57,17 @@ class Quarantine:
 
     Args:
         clock: wall-clock seconds, for the records the operator reads.
+        on_change: called after every change (a holder in or out, digests added), on the
+            thread that made it: where the list is kept across restarts.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[Quarantine], None] | None = None,
+    ):
         self._clock = clock
+        self._on_change = on_change
         self._records: dict[str, Record] = {}
         self._tainted: OrderedDict[bytes, None] = OrderedDict()
         self.version = 0  # rises with every change members must follow
@@ -90,7 +103,7 @@ class Quarantine:
         while len(self._tainted) > MAX_TAINTED:
             self._tainted.popitem(last=False)
         if new or len(self._tainted) != before:
-            self.version += 1
+            self._changed()
         return new
 
     def clear(self, holder: str) -> bool:
@@ -98,8 +111,32 @@ class Quarantine:
         quarantine. The digests stay named: the copies they name were made from it."""
         if self._records.pop(holder, None) is None:
             return False
-        self.version += 1
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        self.version += 1
+        if self._on_change is not None:
+            self._on_change(self)
+
+    def saved(self) -> bytes:
+        """The records and digests, to restore in a restarted service."""
+        return msgpack.packb([[list(r) for r in self._records.values()], self.digests()])
+
+    def restore(self, raw: bytes) -> None:
+        """Take back what `saved` gave (a malformed one raises ValueError, nothing taken)."""
+        try:
+            records, digests = msgpack.unpackb(raw)
+            taken = {r[0]: Record(*r) for r in records}
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"not a saved quarantine: {exc}") from None
+        if len(digests) % DIGEST_BYTES:
+            raise ValueError(f"saved digests of {len(digests)} bytes")
+        self._records = taken
+        self._tainted = OrderedDict(
+            (digests[i : i + DIGEST_BYTES], None) for i in range(0, len(digests), DIGEST_BYTES)
+        )
+        self.version += 1
 
     def holders(self) -> tuple[str, ...]:
         return tuple(sorted(self._records))

@@ -47,6 +47,7 @@ from cache_service.addresses import check_bind_host
 from cache_service.auth import ServerKeys
 from cache_service.handlers import RequestHandlers
 from cache_service.index import GlobalIndex
+from cache_service.quarantine import Quarantine
 from cache_service.reports import WorkerReports
 from cache_service.web import WebServer
 
@@ -129,6 +130,7 @@ class ServiceServer:
         keys: ServerKeys | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         clock: Callable[[], float] = time.monotonic,
+        quarantine: Quarantine | None = None,
     ):
         self.index = index
         self.config = config or ServerConfig()
@@ -159,7 +161,15 @@ class ServiceServer:
         self._wake_lock = threading.Lock()
         # Each request's answer, on the loop thread: the index's, under the identity rules.
         self._handlers = RequestHandlers(
-            index, self.epoch, self.reports, self._lookup, self._stats_snapshot, keys, limits, clock
+            index,
+            self.epoch,
+            self.reports,
+            self._lookup,
+            self._stats_snapshot,
+            keys,
+            limits,
+            clock,
+            quarantine,
         )
 
     @property
@@ -472,8 +482,10 @@ def make_server(
     keys: ServerKeys | None = None,
     clock: Callable[[], float] = time.monotonic,
     limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+    quarantine: Quarantine | None = None,
 ) -> ServiceServer:
-    """A server over a fresh index configured from `config`."""
+    """A server over a fresh index configured from `config` (and the members in
+    `quarantine`, a restarted service's)."""
     index = GlobalIndex(
         page_tokens=config.page_tokens,
         liveness_timeout_s=config.liveness_timeout_s,
@@ -483,4 +495,4 @@ def make_server(
         max_spans=config.max_spans,
         max_capacity=config.max_capacity,
     )
-    return ServiceServer(index, config, keys, limits=limits, clock=clock)
+    return ServiceServer(index, config, keys, limits=limits, clock=clock, quarantine=quarantine)
