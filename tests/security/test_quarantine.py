@@ -20,6 +20,7 @@ from benchmarks.faults import install
 from cache_service.actor import get_service
 from cache_service.events import Namespace
 from cluster.config import config_from_dict
+from tests.service_restart import restart_service
 from tests.waiting import wait_until
 
 A = [(7 * i + 3) % 250 for i in range(41)]  # 10 full pages of 4, then one token
@@ -91,8 +92,16 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
         stats = mesh.service_client.stats()["quarantine"]
         assert stats["quarantines"] == 1 and stats["tainted_digests"] >= 20
 
-        # w0 may not come back until the operator clears it.
+        # w0 may not come back until the operator clears it, also after the service
+        # restarted (it rebuilds its index from the workers, w0's holdings excepted).
         wait_until(lambda: "w0" not in mesh.service_client.stats()["workers"], 30, "w0 kept out")
+        restart_service()
+        service = get_service()
+        assert [r["holder"] for r in ray.get(service.quarantined.remote())] == ["w0"]
+        wait_until(
+            lambda: {"w1", "w2"} <= set(mesh.service_client.stats()["workers"]), 30, "resyncs"
+        )
+        assert "w0" not in mesh.service_client.stats()["workers"]
         assert ray.get(service.clear_quarantine.remote("w0"))
         assert not ray.get(service.clear_quarantine.remote("w0"))
         wait_until(lambda: "w0" in mesh.service_client.stats()["workers"], 30, "w0 back")
