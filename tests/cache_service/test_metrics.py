@@ -23,6 +23,7 @@ from cache_service.metrics import (
     HistogramCounts,
     MetricsSnapshot,
     SnapshotCollector,
+    WorkerFiguresRow,
 )
 from cache_service.web import HEADER_DEADLINE_S, MAX_CONNECTIONS, WebServer
 from tests.security.service_rig import NS, P, ServiceRig, serve
@@ -303,3 +304,31 @@ def test_tenant_labels_are_bounded_by_the_names_the_index_keeps():
         assert tenants == {"tenant-0": 1, "tenant-1": 1, "(unnamed)": 2}
     finally:
         rig.close()
+
+
+def test_spot_checks_and_quarantined_members_are_metrics_and_on_the_dashboard():
+    collector = SnapshotCollector()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    record = {"holder": "w0", "reporter": "w1", "since": 1000.0, "evidence": "page 3: 0.8"}
+    row = WorkerFiguresRow(
+        live=True,
+        pages={"free": 1, "cached": 0, "in_use": 0},
+        evictions={"quarantined": 10},
+        copy_bytes={},
+        requests={"running": 0, "waiting": 0},
+        spot_checks={"checked": 5, "failed": 1},
+    )
+    collector.publish(snapshot(workers={"w1": row}, quarantined=(record,), quarantines=2))
+    got = samples(generate_latest(registry).decode())
+    assert got[("kvmesh_spot_checks_total", (("result", "passed"), ("worker", "w1")))] == 4
+    assert got[("kvmesh_spot_checks_total", (("result", "failed"), ("worker", "w1")))] == 1
+    assert got[("kvmesh_quarantined", (("reporter", "w1"), ("worker", "w0")))] == 1
+    assert got[("kvmesh_quarantines_total", ())] == 2
+    assert got[("kvmesh_evictions_total", (("reason", "quarantined"), ("worker", "w1")))] == 10
+    assert collector.dashboard()["quarantined"] == [record]
+    collector.publish(snapshot())
+    assert collector.dashboard()["quarantined"] == []
+    assert not [
+        k for k in samples(generate_latest(registry).decode()) if k[0] == "kvmesh_quarantined"
+    ]

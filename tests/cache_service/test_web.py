@@ -8,6 +8,7 @@ import http.client
 import importlib.resources
 import json
 import math
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -161,7 +162,7 @@ def ttft(hit, miss) -> dict:
     return {"hit": summary(*hit), "miss": summary(*miss)}
 
 
-def dashboard(epoch, workers, tenants, history, ttft_figures) -> dict:
+def dashboard(epoch, workers, tenants, history, ttft_figures, quarantined=()) -> dict:
     figures = [sum(w[key] for w in workers) for key in ("local_hit", "remote_hit", "computed")]
     totals = tokens("-", "", sum(w["requests"] for w in workers), *figures)
     del totals["-"]
@@ -179,6 +180,7 @@ def dashboard(epoch, workers, tenants, history, ttft_figures) -> dict:
         "tenants": tenants,
         "evictions": evictions,
         "ttft": ttft_figures,
+        "quarantined": list(quarantined),
     }
 
 
@@ -215,6 +217,9 @@ SECOND = dashboard(
         point(4.5, 59, 5100, 2400, 7900, hit=(2, 0.3), miss=(1, 1.2), evictions=29),
     ],
     ttft_figures=ttft((36, 5.4), (25, 29.5)),
+    quarantined=[
+        {"holder": "<i>w9</i>", "reporter": "w0", "since": T0, "evidence": "page 3: 0.81"}
+    ],
 )
 
 
@@ -573,6 +578,7 @@ def test_the_page_shows_the_figures_it_is_served(ports, page):
     wait_for_updates(page, 2)
     assert js(page, "document.getElementById('requests').textContent") == "38"
     assert js(page, "document.getElementById('epoch').textContent") == "3"
+    assert js(page, "document.getElementById('quarantine-card').hidden")  # none in FIRST
     assert "token" not in page.current_url  # kept in the cookie, out of the address bar
 
     feed.state = SECOND
@@ -599,8 +605,21 @@ def test_the_page_shows_the_figures_it_is_served(ports, page):
     tenants, workers = SECOND["tenants"], SECOND["workers"]
     assert rows(page, "tenants", "tenant") == {t["tenant"]: token_cells(t) for t in tenants}
     assert rows(page, "workers", "worker") == {w["worker"]: worker_cells(w) for w in workers}
+    # a member in quarantine shows, with who reported it, when (UTC) and why
+    assert not js(page, "document.getElementById('quarantine-card').hidden")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(T0))
+    assert rows(page, "quarantine", "holder") == {
+        "<i>w9</i>": {
+            "name": "<i>w9</i>",
+            "reporter": "w0",
+            "since": since,
+            "evidence": "page 3: 0.81",
+        }
+    }
     # names that look like markup are text: no element of theirs reached the page
-    assert js(page, "document.querySelectorAll('#tenants b, #workers i').length") == 0
+    assert (
+        js(page, "document.querySelectorAll('#tenants b, #workers i, #quarantine i').length") == 0
+    )
     ticks = js(
         page,
         "Array.from(document.querySelectorAll('#chart-workers .xtick text'))"
