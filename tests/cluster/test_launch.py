@@ -132,6 +132,11 @@ def test_up_status_attach_down(operator):
     assert {"dashboard_url", "metrics_url"} <= set(figures)
     text = kvmesh("status", env=env)
     assert text.returncode == 0 and "workers by node" in text.stdout and "w1" in text.stdout
+    # Nobody is in quarantine; clearing one who is not says so and fails.
+    listed = kvmesh("quarantine", "--json", env=env)
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
+    cleared = kvmesh("quarantine", "--clear", "w0", env=env)
+    assert cleared.returncode == 1 and "'w0' is not in quarantine" in cleared.stderr
 
     down = kvmesh("down", env=env)
     assert down.returncode == 0, down.stderr
