@@ -86,6 +86,7 @@ class EventPublisher:
         self.seq = 0
         self.service_epoch: int | None = None
         self.quarantine_version = 0  # of the service's quarantine list, as last heard
+        self.refused_code = ""  # the code of the last refusal, if any
         self.resyncs = 0
         self.batches = 0
         self._needs_sync = True  # nothing registered yet
@@ -108,13 +109,22 @@ class EventPublisher:
                     self._register_and_resync()
                 else:
                     self._send_events()
+                self.refused_code = ""
                 return True
             except ServiceUnavailable as exc:
                 log.warning("worker %s: service unavailable (%s)", self.worker_id, exc)
                 self._needs_sync = True
                 return False
             except ServiceError as exc:  # refused (e.g. a stale epoch): start over
-                log.warning("worker %s: service refused an update (%s)", self.worker_id, exc)
+                # In quarantine, every round is refused until an operator clears it: said
+                # once, not twice a second.
+                level = (
+                    logging.DEBUG
+                    if exc.code == self.refused_code == "quarantined"
+                    else logging.WARNING
+                )
+                log.log(level, "worker %s: service refused an update (%s)", self.worker_id, exc)
+                self.refused_code = exc.code
                 self._needs_sync = True
                 return False
 
