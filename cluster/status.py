@@ -112,6 +112,8 @@ def summarize(
             name: {**tally, "hit_rate": _rate(tally["hit_tokens"], tally["queried_tokens"])}
             for name, tally in service.get("tenants", {}).items()
         },
+        # members whose pages failed a spot check: holder, reporter, since, evidence
+        "quarantined": list(service.get("quarantine", {}).get("members", [])),
         "service": dict(service),
     }
 
@@ -149,6 +151,10 @@ def top_view(status: Mapping[str, Any], refreshed: str | None = None) -> Rendera
             (f"\n{name} {status[key]}",)
             for key, name in (("dashboard_url", "dashboard"), ("metrics_url", "metrics"))
             if status.get(key)
+        ),
+        *(
+            (f"\nin quarantine: {r['holder']} (reported by {r['reporter']}: {r['evidence']})",)
+            for r in status.get("quarantined", ())
         ),
     )
     tables = [_workers_table(status)]

@@ -20,6 +20,7 @@ from benchmarks.faults import install
 from cache_service.actor import get_service
 from cache_service.events import Namespace
 from cluster.config import config_from_dict
+from cluster.status import render_status
 from tests.service_restart import restart_service
 from tests.waiting import wait_until
 
@@ -74,6 +75,7 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
         (record,) = ray.get(service.quarantined.remote())
         assert (record["holder"], record["reporter"]) == ("w0", "w1")
         assert "differed from its recomputation" in record["evidence"]
+        assert "in quarantine: w0 (reported by w1: prompt page" in render_status(mesh.stats())
         # w0's holdings left the index, and no request is routed to it.
         namespace = Namespace("tiny", "", mesh.salt("t"))
         spans = mesh.service_client.match(namespace, A).spans
