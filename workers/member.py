@@ -68,8 +68,9 @@ from workers.transfer.spot_check import (
     tolerance,
 )
 
-# (the allocation's pages, the prompt, j): computes prompt page j into pages[j] over
-# pages[:j] as its context, with the member's model (a worker's; an engine has none).
+# (the allocation's pages, the prompt, pos): computes the KV of prompt token pos into its
+# slot of its page, over every token before it as context, with the member's model (a
+# worker's; an engine has none).
 Recompute = Callable[[Sequence[int], Sequence[int], int], None]
 
 log = logging.getLogger(__name__)
@@ -281,8 +282,8 @@ class MeshMember:
             end: the first prompt page not to copy.
             decide: copy or recompute, given the plan's costs (None: copy everything
                 planned, as an engine does: vLLM already chose to load).
-            recompute: computes prompt page j of the allocation's pages in place, over
-                the pages before it (`Recompute`); with it, copies are spot-checked
+            recompute: computes one prompt token's KV in place in the allocation's pages,
+                over the tokens before it (`Recompute`); with it, copies are spot-checked
                 (`workers.transfer.spot_check`), and a copy whose check fails is dropped
                 whole (the request computes it) and its holder reported.
         """
@@ -352,23 +353,26 @@ class MeshMember:
         """Recompute the pages the spot checks pick among the copied ones; False (and the
         holder reported, or the holders distrusted) when one does not hold what its
         holder claimed."""
-        for sample in self.spot_checks.pick(ranges):
-            page = allocation.pages[sample.page]
-            copied = self.store.page(page).clone()
-            recompute(allocation.pages, tokens, sample.page)
-            verdict = self.spot_checks.judged(sample, kv_error(copied, self.store.page(page)))
+        p = self.store.layout.page_tokens
+        for sample in self.spot_checks.pick(ranges, p):
+            slot = self.store.page(allocation.pages[sample.page])[:, :, :, sample.slot]
+            copied = slot.clone()  # (num_layers, 2, num_kv_heads, head_dim)
+            recompute(allocation.pages, tokens, sample.page * p + sample.slot)
+            verdict = self.spot_checks.judged(sample, kv_error(copied, slot))
             if verdict.passed:
                 continue
             log.warning(
-                "%s: prompt page %d copied from %s failed its spot check (error %.3g > %g)",
-                self.worker_id, sample.page, sample.holder, verdict.error, self.spot_checks.limit,
+                "%s: prompt token %d copied from %s failed its spot check (error %.3g > %g)",
+                self.worker_id, sample.page * p + sample.slot, sample.holder, verdict.error,
+                self.spot_checks.limit,
             )  # fmt: skip
             if not sample.attributable:
                 self.spot_checks.distrust(h for h, _, _ in ranges)
                 return False
             lo, hi = next((lo, hi) for h, lo, hi in ranges if h == sample.holder)
             evidence = (
-                f"prompt page {sample.page} differed from its recomputation by "
+                f"the KV of prompt token {sample.page * p + sample.slot} (page {sample.page}) "
+                f"differed from its recomputation by "
                 f"{verdict.error:.3g} of its magnitude (tolerance {self.spot_checks.limit})"
             )
             self._quarantine_locally(sample.holder, expected[lo:hi], evidence)

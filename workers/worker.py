@@ -383,10 +383,11 @@ class Worker:
             return local
         return max(local, min(copied * p, len(tokens) - 1))
 
-    def _recompute(self, pages: Sequence[int], tokens: Sequence[int], j: int) -> None:
-        """Prompt page j into pages[j], over pages[:j]: a copied page's spot check."""
-        p = self.cache.page_tokens
-        self.batch_runner.forward([Chunk(list(pages[: j + 1]), tokens[j * p : (j + 1) * p], j * p)])
+    def _recompute(self, pages: Sequence[int], tokens: Sequence[int], pos: int) -> None:
+        """Prompt token pos's KV into its slot, over the tokens before it: a copied page's
+        spot check."""
+        end = pos // self.cache.page_tokens + 1
+        self.batch_runner.forward([Chunk(list(pages[:end]), tokens[pos : pos + 1], pos)])
 
     def _decide(self, costs: CopyCosts) -> Decision:
         return self.copy_policy(costs, self.profile)

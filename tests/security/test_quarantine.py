@@ -84,7 +84,9 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
         (record,) = ray.get(service.quarantined.remote())
         assert (record["holder"], record["reporter"]) == ("w0", "w1")
         assert "differed from its recomputation" in record["evidence"]
-        assert "in quarantine: w0 (reported by w1: prompt page" in render_status(mesh.stats())
+        assert "in quarantine: w0 (reported by w1: the KV of prompt token" in render_status(
+            mesh.stats()
+        )
         # w0's holdings left the index, and no request is routed to it.
         namespace = Namespace("tiny", "", mesh.salt("t"))
         spans = mesh.service_client.match(namespace, A).spans

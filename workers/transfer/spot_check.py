@@ -8,20 +8,25 @@ sample of what it copies and compares the KV (`SpotChecks`):
 
 - every copy from a holder this member has not checked yet is checked, and any other
   copy with probability `rate`;
-- a check recomputes one copied page j of the holder, with the model, over the pages
-  before it as context (one page of tokens, about a decode step's cost), and compares it
-  with the copied page j within the tolerance of the pages' dtype (`TOLERANCES`);
+- a check recomputes one token's KV in a copied page j of the holder (a random slot),
+  with the model, over everything before it as context (a one-token forward pass: a
+  decode step's cost), and compares it with that slot of the copied page within the
+  tolerance of the pages' dtype (`TOLERANCES`). One token, not the page: on a CPU the
+  model's cost is per token, and a page of 16 tokens cost a remote hit 42% more (a
+  quarter of its 64-token suffix) where one token costs a few percent; a holder serving
+  another prompt's KV fails at any slot;
 - a page that fails blames its holder only when every page of its context is this
   member's own or the same holder's, or comes from holders checked before: a poisoned
   earlier holder would otherwise make an honest later one fail. An unattributed failure
   makes every holder of the copy unchecked again, so its next copy is checked.
 
-The tolerance: a page recomputed alone against the same page computed in a batch differs
-by the order of summation only. Measured on SmolLM2-135M in float32
-(tests/workers/serving/test_spot_check.py), as the largest difference over the page's
-largest magnitude: honest recomputations 1e-6 to 2e-6; a page of a prompt one token
-apart 30 tokens earlier 0.036 to 0.12; a page of an unrelated prompt 0.8 to 1.2. So
-float32 takes 1e-3 (500x the honest error, 35x below the nearest poison). Half precision
+The tolerance: a token's KV recomputed alone against the same KV computed in a batch
+differs by the order of summation only. Measured on SmolLM2-135M in float32
+(tests/workers/serving/test_spot_check.py), as the largest difference over the slot's
+largest magnitude: honest recomputations about 1e-6; the slot of a prompt one token
+apart 10 to 45 tokens earlier 0.018 to 0.052; a whole page of an unrelated prompt 0.8 to
+1.2. So float32 takes 1e-3 (a thousand times the honest error, 18x below the nearest
+poison). Half precision
 rounds each value at 2^-8 (bfloat16) or 2^-11 (float16) of its magnitude, and the
 differences of summation order grow with it: their tolerances are 30x those roundings,
 still below the prompt one token apart in bfloat16 only narrowly (a poisoner that close
@@ -63,12 +68,13 @@ _EMPTY = bytes(16)  # the digest a page records before it is published (EMPTY_DI
 
 
 class Sample(NamedTuple):
-    """One copied page to recompute: prompt page `page`, copied from `holder`;
-    `attributable` when its context is the requester's own, the holder's, or from holders
-    checked before."""
+    """One copied token to recompute: slot `slot` of prompt page `page`, copied from
+    `holder`; `attributable` when its context is the requester's own, the holder's, or
+    from holders checked before."""
 
     holder: str
     page: int
+    slot: int
     attributable: bool
 
 
@@ -123,10 +129,10 @@ class SpotChecks:
         self.failures = 0  # of them, pages that did not hold what they claimed
         self.unattributed = 0  # failures whose context came from unchecked holders
 
-    def pick(self, ranges: Sequence[tuple[str, int, int]]) -> list[Sample]:
-        """The pages to check of a copy whose holders gave prompt pages [lo, hi) each
-        (`(holder, lo, hi)` in prompt order): one page of each holder not checked yet,
-        or one page of the copy with probability `rate`."""
+    def pick(self, ranges: Sequence[tuple[str, int, int]], page_tokens: int) -> list[Sample]:
+        """The tokens to check of a copy whose holders gave prompt pages [lo, hi) each
+        (`(holder, lo, hi)` in prompt order, pages of `page_tokens`): one token of each
+        holder not checked yet, or one of the copy with probability `rate`."""
         with self._lock:
             fresh = [r for r in ranges if r[0] not in self._trusted]
             if not fresh and ranges and self._rng.random() < self.rate:
@@ -135,7 +141,8 @@ class SpotChecks:
             for holder, lo, hi in fresh:
                 before = {h for h, _, end in ranges if end <= lo}
                 attributable = all(h == holder or h in self._trusted for h in before)
-                samples.append(Sample(holder, self._rng.randrange(lo, hi), attributable))
+                page, slot = self._rng.randrange(lo, hi), self._rng.randrange(page_tokens)
+                samples.append(Sample(holder, page, slot, attributable))
             return samples
 
     def judged(self, sample: Sample, error: float) -> Verdict:

@@ -1,5 +1,5 @@
-"""Spot checks with the real model: how far an honest recomputation of a copied page is
-from the page, how far a page of another prompt is, and the tolerance between them
+"""Spot checks with the real model: how far an honest recomputation of a copied token's KV
+is from the copy, how far another prompt's is, and the tolerance between them
 (`workers.transfer.spot_check`)."""
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ PAGE = 4
 
 
 def _recomputed_error(rig, pages, tokens, j) -> float:
-    """Page j recomputed in place over pages[:j] (what a spot check runs), against what
-    it held."""
-    held = rig.store.page(pages[j]).clone()
-    rig.runner.forward([Chunk(list(pages[: j + 1]), tokens[j * PAGE : (j + 1) * PAGE], j * PAGE)])
-    return kv_error(held, rig.store.page(pages[j]))
+    """The last token of page j recomputed in place over every token before it (what a
+    spot check runs), against what its slot held."""
+    pos = (j + 1) * PAGE - 1
+    slot = rig.store.page(pages[j])[:, :, :, PAGE - 1]
+    held = slot.clone()
+    rig.runner.forward([Chunk(list(pages[: j + 1]), tokens[pos : pos + 1], pos)])
+    return kv_error(held, slot)
 
 
 def test_an_honest_page_passes_and_another_prompts_page_fails(smollm2):

@@ -10,13 +10,13 @@ from workers.transfer.spot_check import Provenance, Sample, SpotChecks, kv_error
 
 def test_a_holders_first_copy_is_checked_then_copies_at_the_rate():
     checks = SpotChecks(rate=0.0, seed=1)
-    (sample,) = checks.pick([("h0", 2, 6)])
-    assert sample.holder == "h0" and 2 <= sample.page < 6 and sample.attributable
-    assert checks.judged(sample, 1e-6).passed
-    assert checks.pick([("h0", 2, 6)]) == []  # trusted, and the rate is 0
+    (sample,) = checks.pick([("h0", 2, 6)], page_tokens=16)
+    assert sample.holder == "h0" and 2 <= sample.page < 6 and 0 <= sample.slot < 16
+    assert sample.attributable and checks.judged(sample, 1e-6).passed
+    assert checks.pick([("h0", 2, 6)], 16) == []  # trusted, and the rate is 0
     every = SpotChecks(rate=1.0, seed=1)
-    every.judged(Sample("h0", 2, True), 0.0)
-    assert [s.holder for s in every.pick([("h0", 0, 4)])] == ["h0"]
+    every.judged(Sample("h0", 2, 0, True), 0.0)
+    assert [s.holder for s in every.pick([("h0", 0, 4)], 16)] == ["h0"]
     assert checks.figures() == {"checks": 1, "failures": 0, "unattributed": 0, "trusted_holders": 1}
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         SpotChecks(rate=1.5)
@@ -24,13 +24,13 @@ def test_a_holders_first_copy_is_checked_then_copies_at_the_rate():
 
 def test_a_failure_blames_a_holder_only_over_a_context_it_or_trusted_holders_gave():
     checks = SpotChecks(rate=0.0, seed=3)
-    checks.judged(Sample("trusted", 0, True), 0.0)
-    samples = checks.pick([("new", 0, 2), ("trusted", 2, 4), ("other", 4, 6)])
+    checks.judged(Sample("trusted", 0, 0, True), 0.0)
+    samples = checks.pick([("new", 0, 2), ("trusted", 2, 4), ("other", 4, 6)], 16)
     assert [(s.holder, s.attributable) for s in samples] == [("new", True), ("other", False)]
     verdict = checks.judged(samples[1], 0.9)
     assert not verdict.passed and checks.unattributed == 1
     checks.distrust(["trusted"])  # checked again at its next copy
-    assert [s.holder for s in checks.pick([("trusted", 0, 2)])] == ["trusted"]
+    assert [s.holder for s in checks.pick([("trusted", 0, 2)], 16)] == ["trusted"]
 
 
 def test_kv_error_is_relative_and_infinite_for_non_finite_pages():
