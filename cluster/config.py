@@ -110,7 +110,7 @@ class WorkersConfig:
     # speeds; "always" / "never" force one (tests of the copy path use "always": a tiny
     # model computes faster than any copy).
     copy_policy: str = "measured"
-    # Of copies from holders checked before, the share spot-checked: one copied page
+    # Of copies from holders checked before, the share spot-checked: one copied token
     # recomputed and compared (`workers.transfer.spot_check`; a holder's first copy always).
     spot_check_rate: float = SPOT_CHECK_RATE
     # Batching (`workers.serving.scheduler`): sequences running at once, tokens one forward pass

@@ -27,6 +27,9 @@ Copy-in, for prompt pages [first, end) that the service's match says others hold
                and the digest its holder recorded equal to the one this prompt's tokens
                give (`page_digests`); the first page that fails ends the copied prefix
     learn      each holder's link rate from the copy's real time
+    check      a sample of the copied tokens, recomputed in the request's first pass by
+               the caller's model and compared (`workers.transfer.spot_check`); a copy
+               that fails is dropped, its holder reported and its other copies dropped
 """
 
 from __future__ import annotations
@@ -63,15 +66,12 @@ from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 from workers.transfer.spot_check import (
     SPOT_CHECK_RATE,
     Provenance,
+    SpotCheck,
     SpotChecks,
+    Verdict,
     kv_error,
     tolerance,
 )
-
-# (the allocation's pages, the prompt, pos): computes the KV of prompt token pos into its
-# slot of its page, over every token before it as context, with the member's model (a
-# worker's; an engine has none).
-Recompute = Callable[[Sequence[int], Sequence[int], int], None]
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class MeshMember:
         spans: Sequence[HolderSpan],
         end: int,
         decide: Callable[[CopyCosts], Decision] | None = None,
-        recompute: Recompute | None = None,
+        checks: list[SpotCheck] | None = None,
     ) -> int:
         """Copy prompt pages from where the allocation's own prefix ends up to `end` out of
         the holders in `spans`, each page validated; returns where the usable prefix ends,
@@ -282,10 +282,10 @@ class MeshMember:
             end: the first prompt page not to copy.
             decide: copy or recompute, given the plan's costs (None: copy everything
                 planned, as an engine does: vLLM already chose to load).
-            recompute: computes one prompt token's KV in place in the allocation's pages,
-                over the tokens before it (`Recompute`); with it, copies are spot-checked
-                (`workers.transfer.spot_check`), and a copy whose check fails is dropped
-                whole (the request computes it) and its holder reported.
+            checks: where to put the spot checks of this copy
+                (`workers.transfer.spot_check.SpotCheck`), for a caller with a model that
+                runs each one's token in its next pass and then judges it (None: no
+                checks, as an engine, which has no model of its own).
         """
         p = self.store.layout.page_tokens
         first = allocation.cached_tokens // p
@@ -330,54 +330,61 @@ class MeshMember:
         end = outcome.end
         ranges = [(r.task.holder, r.task.first, min(r.task.end, end)) for r in outcome.results]
         ranges = [r for r in ranges if r[1] < r[2]]
-        if (
-            recompute is not None
-            and ranges
-            and not self._checks_pass(allocation, tokens, ranges, expected, recompute)
-        ):
-            return first
         for holder, lo, hi in ranges:
             self.provenance.record(allocation.pages[lo:hi], holder, expected[lo:hi])
+        if checks is not None and ranges:
+            checks.extend(self._spot_checks(allocation, ranges, expected, first, end))
         return end
 
     # -- spot checks and quarantine ----------------------------------------------------
 
-    def _checks_pass(
+    def _spot_checks(
         self,
         allocation: Allocation,
-        tokens: Sequence[int],
         ranges: list[tuple[str, int, int]],
         expected: Sequence[bytes],
-        recompute: Recompute,
-    ) -> bool:
-        """Recompute the pages the spot checks pick among the copied ones; False (and the
-        holder reported, or the holders distrusted) when one does not hold what its
-        holder claimed."""
+        first: int,
+        end: int,
+    ) -> list[SpotCheck]:
+        """The tokens the spot checks pick among the copied ones, each with its judge: the
+        copied slot is kept now, and compared once the caller recomputed it."""
         p = self.store.layout.page_tokens
+        checks = []
         for sample in self.spot_checks.pick(ranges, p):
             slot = self.store.page(allocation.pages[sample.page])[:, :, :, sample.slot]
             copied = slot.clone()  # (num_layers, 2, num_kv_heads, head_dim)
-            recompute(allocation.pages, tokens, sample.page * p + sample.slot)
-            verdict = self.spot_checks.judged(sample, kv_error(copied, slot))
-            if verdict.passed:
-                continue
-            log.warning(
-                "%s: prompt token %d copied from %s failed its spot check (error %.3g > %g)",
-                self.worker_id, sample.page * p + sample.slot, sample.holder, verdict.error,
-                self.spot_checks.limit,
-            )  # fmt: skip
-            if not sample.attributable:
-                self.spot_checks.distrust(h for h, _, _ in ranges)
-                return False
-            lo, hi = next((lo, hi) for h, lo, hi in ranges if h == sample.holder)
-            evidence = (
-                f"the KV of prompt token {sample.page * p + sample.slot} (page {sample.page}) "
-                f"differed from its recomputation by "
-                f"{verdict.error:.3g} of its magnitude (tolerance {self.spot_checks.limit})"
-            )
-            self._quarantine_locally(sample.holder, expected[lo:hi], evidence)
-            return False
-        return True
+
+            def judge(sample=sample, slot=slot, copied=copied) -> bool:
+                verdict = self.spot_checks.judged(sample, kv_error(copied, slot))
+                if not verdict.passed:
+                    self._failed_check(verdict, ranges, expected)
+                    self.provenance.forget(allocation.pages[first:end])
+                return verdict.passed
+
+            checks.append(SpotCheck(sample.page * p + sample.slot, judge))
+        return checks
+
+    def _failed_check(
+        self, verdict: Verdict, ranges: list[tuple[str, int, int]], expected: Sequence[bytes]
+    ) -> None:
+        """A copied token did not hold what its holder claimed: report the holder (when
+        its context was its own or trusted holders'), else check every holder again."""
+        sample, p = verdict.sample, self.store.layout.page_tokens
+        pos = sample.page * p + sample.slot
+        log.warning(
+            "%s: prompt token %d copied from %s failed its spot check (error %.3g > %g)",
+            self.worker_id, pos, sample.holder, verdict.error, self.spot_checks.limit,
+        )  # fmt: skip
+        if not sample.attributable:
+            self.spot_checks.distrust(h for h, _, _ in ranges)
+            return
+        lo, hi = next((lo, hi) for h, lo, hi in ranges if h == sample.holder)
+        evidence = (
+            f"the KV of prompt token {pos} (page {sample.page}) differed from its "
+            f"recomputation by {verdict.error:.3g} of its magnitude "
+            f"(tolerance {self.spot_checks.limit})"
+        )
+        self._quarantine_locally(sample.holder, expected[lo:hi], evidence)
 
     def _quarantine_locally(self, holder: str, digests: Sequence[bytes], evidence: str) -> None:
         """Stop copying from `holder`, report it with the digests of the pages this

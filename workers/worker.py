@@ -52,7 +52,7 @@ from workers.api import (
 from workers.member import Membership, MeshMember
 from workers.service.client import ServiceEndpoint, ray_resolver
 from workers.serving import models
-from workers.serving.batch_runner import BatchRunner, Chunk
+from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import Compactor
 from workers.serving.loop import ServingLoop
 from workers.serving.model_loader import (
@@ -370,8 +370,9 @@ class Worker:
         try:
             matched, spans = self.member.match(seq.namespace, tokens)
             end = min(matched, len(tokens) - 1) // p
+            seq.checks = []  # run in its first pass (`Scheduler._check`)
             copied = self.member.copy_in(
-                allocation, tokens, seq.namespace, spans, end, self._decide, self._recompute
+                allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks
             )
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
@@ -382,12 +383,6 @@ class Worker:
                 self.copy_in_failures += 1
             return local
         return max(local, min(copied * p, len(tokens) - 1))
-
-    def _recompute(self, pages: Sequence[int], tokens: Sequence[int], pos: int) -> None:
-        """Prompt token pos's KV into its slot, over the tokens before it: a copied page's
-        spot check."""
-        end = pos // self.cache.page_tokens + 1
-        self.batch_runner.forward([Chunk(list(pages[:end]), tokens[pos : pos + 1], pos)])
 
     def _decide(self, costs: CopyCosts) -> Decision:
         return self.copy_policy(costs, self.profile)
@@ -411,7 +406,7 @@ class Worker:
         refines the prefill curve the copy decisions use."""
         prefills = [
             (seq, chunk)
-            for seq, chunk in zip(step.sequences, step.chunks, strict=True)
+            for seq, chunk in zip(step.sequences, step.chunks[: len(step.sequences)], strict=True)
             if seq.phase is Phase.PREFILL
         ]
         for seq, _ in prefills:

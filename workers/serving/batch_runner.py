@@ -294,13 +294,20 @@ class BatchRunner:
         groups: list[_Group] = []
         lone_decoders: list[int] = []
         for members in by_first.values():
+            # A chunk computing tokens inside the shared pages runs alone. Without it the
+            # others may share more pages, inside which another computes (a spot check's
+            # token, in a page its sequence's chunk reads): until none does.
+            alone: list[int] = []
             shared = _common_pages([self._read(chunks[i]) for i in members])
-            # A chunk computing tokens inside the shared pages runs alone.
-            alone = [i for i in members if chunks[i].start < shared * p]
-            members = [i for i in members if i not in alone]
-            if len(members) > 1:
-                shared = _common_pages([self._read(chunks[i]) for i in members])
-            else:
+            while len(members) > 1:
+                inside = [i for i in members if chunks[i].start < shared * p]
+                if not inside:
+                    break
+                alone += inside
+                members = [i for i in members if i not in inside]
+                if len(members) > 1:
+                    shared = _common_pages([self._read(chunks[i]) for i in members])
+            if len(members) <= 1:
                 alone, members, shared = alone + members, [], 0
             for i in alone:
                 if len(chunks[i].tokens) == 1:

@@ -192,7 +192,7 @@ class ServingLoop:
                 self._on_pass(step, time.perf_counter() - start)
             except Exception:  # figures only: never a request's failure
                 log.exception("the pass callback failed")
-        for seq, row in zip(step.sequences, logits, strict=True):
+        for seq, row in zip(step.sequences, logits[: len(step.sequences)], strict=True):
             if seq.phase is Phase.FINISHED or seq.computed < len(seq.tokens):
                 continue  # a prefill chunk short of the end: nothing to sample yet
             try:

@@ -49,7 +49,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from workers.cache.prefix_cache import PrefixCache
 from workers.errors import RequestCancelled, RequestEnded, ServingStopped
@@ -67,10 +67,12 @@ class CacheFull(RuntimeError):
 
 
 class Step(NamedTuple):
-    """One forward pass: a chunk per sequence, in the same order."""
+    """One forward pass: a chunk per sequence, in the same order, then one chunk per spot
+    check (`checks`, the sequence whose copy it checks and the check) after them."""
 
     sequences: list[Sequence]
     chunks: list[Chunk]
+    checks: list[tuple[Sequence, Any]] = []
 
 
 class Scheduler:
@@ -175,7 +177,7 @@ class Scheduler:
         self._end_overdue()
         self._land_copies()
         self._compact_under_pressure()
-        step = Step([], [])
+        step = Step([], [], [])
         budget = self.config.max_batch_tokens
         for seq in [s for s in self.running if s.phase is Phase.DECODE]:
             if seq.phase is Phase.DECODE and self._grow(seq, step):
@@ -193,9 +195,20 @@ class Scheduler:
         return step
 
     def after_forward(self, step: Step) -> None:
-        """A pass ran: every chunk's KV is in its pages. Publish the prefill chunks' full
-        pages at once (a request arriving next step finds them cached)."""
-        for seq, chunk in zip(step.sequences, step.chunks, strict=True):
+        """A pass ran: every chunk's KV is in its pages. Judge the spot checks first: a
+        sequence whose copy failed one computes its prompt after its local prefix again
+        (nothing of this pass is published or sampled for it). Then publish the prefill
+        chunks' full pages at once (a request arriving next step finds them cached)."""
+        failed = {id(seq) for seq, check in step.checks if not check.judge()}
+        for seq, chunk in zip(step.sequences, step.chunks[: len(step.sequences)], strict=True):
+            if seq.unjudged is not None:
+                local, copied_to = seq.unjudged
+                seq.unjudged, seq.checks = None, []
+                if id(seq) in failed:
+                    seq.computed = local
+                    self._admitted(seq, local, local)
+                    continue
+                self._admitted(seq, local, copied_to)
             seq.computed = chunk.end
             if seq.phase is Phase.PREFILL and seq.reuse:
                 seq.allocation.publish(seq.computed)
@@ -305,6 +318,13 @@ class Scheduler:
                 log.exception("sequence %d: its copy-in raised; it computes it all", seq.seq_id)
                 copied_to = seq.computed
             seq.phase = Phase.PREFILL
+            if seq.checks and copied_to > seq.computed:
+                # Its copy is used by its first pass, which also runs the checks; its hits
+                # are known once they are judged (`after_forward`).
+                seq.unjudged = (seq.allocation.cached_tokens, copied_to)
+                seq.computed = copied_to
+                continue
+            seq.checks = []
             self._admitted(seq, seq.allocation.cached_tokens, copied_to)
 
     def _copy(self, seq: Sequence) -> int:
@@ -333,7 +353,18 @@ class Scheduler:
                 Chunk(seq.allocation.pages, seq.tokens[seq.computed : end], seq.computed, _kv(seq))
             )
             budget -= end - seq.computed
+            if seq.unjudged is not None:
+                self._check(step, seq)
         return budget
+
+    def _check(self, step: Step, seq: Sequence) -> None:
+        """Add `seq`'s spot checks to the pass: each copied token to recompute is one more
+        chunk of one token, over the pages up to its own (its KV goes into its slot)."""
+        p = self.cache.page_tokens
+        for check in seq.checks:
+            pages = seq.allocation.pages[: check.pos // p + 1]
+            step.chunks.append(Chunk(pages, seq.tokens[check.pos : check.pos + 1], check.pos))
+            step.checks.append((seq, check))
 
     def _compact_under_pressure(self) -> None:
         """Compact the longest sequences in decode while the pages running sequences hold
@@ -389,8 +420,13 @@ class Scheduler:
             if seq in other.depends_on and other.phase is Phase.PREFILL and not other.ready:
                 self._preempt(other, step)  # it was waiting for pages `seq` has not computed
         if step is not None and seq in step.sequences:
+            n = len(step.sequences)
+            mine = [n + i for i, (s, _) in enumerate(step.checks) if s is seq]
+            for at in reversed(mine):  # its spot checks' chunks, after every sequence's
+                del step.chunks[at], step.checks[at - n]
             at = step.sequences.index(seq)
             del step.sequences[at], step.chunks[at]
+        seq.unjudged, seq.checks = None, []  # admitted again: copied (and checked) again
         self.running.remove(seq)
         seq.allocation.release()
         seq.allocation = None

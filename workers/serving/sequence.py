@@ -95,6 +95,10 @@ class Sequence:
     first_token_at: float | None = None
     copy_s: float = 0.0
     copying: Future | None = None  # its copy-in, while in COPYING
+    # Its copy's spot checks (`workers.transfer.spot_check.SpotCheck`), run in its first
+    # prefill pass; until they are judged, the (local, copied-to) tokens of its admission.
+    checks: list[Any] = field(default_factory=list)
+    unjudged: tuple[int, int] | None = None
     # Set from any thread to end it early (a cancellation, or its caller gave up on its
     # deadline); the scheduler fails it with this at its next step.
     ending: RequestEnded | None = None

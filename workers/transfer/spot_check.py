@@ -9,12 +9,15 @@ sample of what it copies and compares the KV (`SpotChecks`):
 - every copy from a holder this member has not checked yet is checked, and any other
   copy with probability `rate`;
 - a check recomputes one token's KV in a copied page j of the holder (a random slot),
-  with the model, over everything before it as context (a one-token forward pass: a
-  decode step's cost), and compares it with that slot of the copied page within the
-  tolerance of the pages' dtype (`TOLERANCES`). One token, not the page: on a CPU the
-  model's cost is per token, and a page of 16 tokens cost a remote hit 42% more (a
-  quarter of its 64-token suffix) where one token costs a few percent; a holder serving
-  another prompt's KV fails at any slot;
+  with the model, over everything before it as context, and compares it with that slot
+  of the copied page within the tolerance of the pages' dtype (`TOLERANCES`). The token
+  rides in the request's first prefill pass (`SpotCheck`: the scheduler adds it as one
+  more chunk and judges it before anything of the pass is published or sampled); a copy
+  that fails is dropped there and the request computes it all. One token in the pass,
+  not a page in a pass of its own: on the CPU a 16-token page in a forward of its own
+  cost a remote hit 42% more, one token in its own forward 24%, one token in the
+  request's pass about 5% (SmolLM2, a 1,024-token prefix and a 64-token suffix); a
+  holder serving another prompt's KV fails at any slot;
 - a page that fails blames its holder only when every page of its context is this
   member's own or the same holder's, or comes from holders checked before: a poisoned
   earlier holder would otherwise make an honest later one fail. An unattributed failure
@@ -42,7 +45,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -76,6 +79,16 @@ class Sample(NamedTuple):
     page: int
     slot: int
     attributable: bool
+
+
+class SpotCheck(NamedTuple):
+    """A token of a copy to recompute, and what decides it: the caller runs prompt token
+    `pos` through the model (its KV into its slot, over every token before it), then
+    calls `judge`, True when the copy holds (False: the caller drops the whole copy and
+    computes it; the holder was reported)."""
+
+    pos: int
+    judge: Callable[[], bool]
 
 
 class Verdict(NamedTuple):
@@ -198,6 +211,12 @@ class Provenance:
         """Pages recorded as copied from `holder`: page -> digest."""
         with self._lock:
             return {p: d for p, (h, d) in self._origin.items() if h == holder}
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """The copies into `pages` were dropped (their request computes them)."""
+        with self._lock:
+            for page in pages:
+                self._origin.pop(page, None)
 
     def with_digests(self, digests: set[bytes]) -> dict[int, bytes]:
         """Pages recorded as copied (from anyone) whose digest is one of `digests`."""

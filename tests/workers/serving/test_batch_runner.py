@@ -121,6 +121,26 @@ def test_sequences_sharing_a_prefix_read_its_pages_once_in_a_group(tiny):
         rig.check_integrity()
 
 
+def test_tokens_recomputed_inside_a_sequences_pages_ride_in_its_pass(tiny):
+    """A spot check's shape: a sequence's chunk, and one-token chunks recomputing tokens
+    in pages it reads (each over only the pages up to its own). Each runs as alone: the
+    sequence's logits and the recomputed tokens' KV are what they are without the others."""
+    with make_rig(tiny, page_tokens=P, num_pages=64) as rig:
+        runner = BatchRunner(tiny, rig.store)
+        prompt = make_prompt(40, seed=30)
+        allocation = rig.cache.acquire(prompt, NS)
+        runner.forward([Chunk(allocation.pages, prompt[:32], 0)])
+        pages = allocation.pages
+        held = {pos: rig.store.page(pages[pos // P])[:, :, :, pos % P].clone() for pos in (5, 22)}
+        checks = [Chunk(pages[: pos // P + 1], prompt[pos : pos + 1], pos) for pos in held]
+        logits = runner.forward([Chunk(pages, prompt[32:], 32), *checks])
+        assert max_diff(logits[0], reference_logits(tiny, prompt)) < 1e-4
+        for pos, before in held.items():
+            assert max_diff(rig.store.page(pages[pos // P])[:, :, :, pos % P], before) < 1e-5
+        allocation.release()
+        rig.check_integrity()
+
+
 def test_bad_chunks_are_refused_before_anything_runs(tiny):
     with make_rig(tiny, page_tokens=P) as rig:
         runner = BatchRunner(tiny, rig.store)
