@@ -45,6 +45,7 @@ STATS_KEYS = {
     "dashboard_url",
     "metrics_url",
     "engines",
+    "quarantined",
     "hit_rate",
     "index_hit_rate",
     "prompt_tokens",
@@ -240,6 +241,7 @@ def test_stats_of_the_owner(owner):
 
     assert set(stats) == STATS_KEYS
     assert stats["engines"] == {}  # no vLLM engine joined this mesh
+    assert stats["quarantined"] == []  # no member failed a spot check
     assert stats["ray_address"] == ray.get_runtime_context().gcs_address
     assert isinstance(stats["epoch"], int) and not isinstance(stats["epoch"], bool)
     assert stats["epoch"] == ray.get(get_service().endpoint.remote())["epoch"]
