@@ -72,7 +72,7 @@ class Step(NamedTuple):
 
     sequences: list[Sequence]
     chunks: list[Chunk]
-    checks: list[tuple[Sequence, Any]] = []
+    checks: list[tuple[Sequence, Any]]
 
 
 class Scheduler:
