@@ -357,8 +357,10 @@ class MeshMember:
             def judge(sample=sample, slot=slot, copied=copied) -> bool:
                 verdict = self.spot_checks.judged(sample, kv_error(copied, slot))
                 if not verdict.passed:
-                    self._failed_check(verdict, ranges, expected)
+                    # Its request computes these pages: they are no copies (and are not
+                    # dropped with the holder's), whose digests the report still names.
                     self.provenance.forget(allocation.pages[first:end])
+                    self._failed_check(verdict, ranges, expected)
                 return verdict.passed
 
             checks.append(SpotCheck(sample.page * p + sample.slot, judge))
