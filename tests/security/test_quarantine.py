@@ -100,6 +100,9 @@ def test_a_poisoning_holder_is_caught_quarantined_and_its_copies_dropped(ray_loc
             30,
             "w2 dropping its copies of w0's pages",
         )
+        # What the victim computed in place of the poisoned copy stays (it is no copy).
+        assert mesh.stats()["workers"]["w1"]["trust"]["dropped_pages"] == 0
+        assert [s.worker_id for s in mesh.service_client.match(namespace, A).spans] == ["w1"]
         again = mesh.generate(C + [1], 2, tenant="t", worker="w2")
         assert again.stats["local_hit_tokens"] == 0 and again.stats["remote_hit_tokens"] == 0
         stats = mesh.service_client.stats()["quarantine"]
