@@ -66,7 +66,8 @@ def make_prompt_tokens(count: int, seed: int = 0) -> np.ndarray:
 
 def build_index(prompts: np.ndarray) -> GlobalIndex:
     """The index as 4 workers' real event streams would leave it."""
-    index = GlobalIndex(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600.0)
+    capacity = 1 << 20  # each worker's store holds every page it publishes here
+    index = GlobalIndex(page_tokens=PAGE_TOKENS, liveness_timeout_s=3600.0, max_capacity=capacity)
     system_pages = SYSTEM_TOKENS // PAGE_TOKENS
     suffix_pages = (PROMPT_TOKENS - SYSTEM_TOKENS) // PAGE_TOKENS
     next_page = [0] * WORKERS
@@ -74,8 +75,7 @@ def build_index(prompts: np.ndarray) -> GlobalIndex:
     seq = [0] * WORKERS
     epochs: list[int] = []
     for w in range(WORKERS):
-        # Each worker's store holds every page it publishes here (no eviction).
-        epochs.append(index.register(f"w{w}", "node-0", capacity=index.max_capacity).epoch)
+        epochs.append(index.register(f"w{w}", "node-0", capacity=capacity).epoch)
     for j, prompt in enumerate(prompts):
         w, s = j % WORKERS, j % SYSTEM_PROMPTS
         events = []

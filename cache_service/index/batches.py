@@ -66,6 +66,14 @@ class BatchOrder:
         self.counts["over_capacity"] += reason == "over_capacity"
         return ApplyResult(False, True, reason, worker.last_seq)
 
+    def over_capacity(self, worker: Worker, pages: int) -> ValueError:
+        """Count a resync of `pages` refused past `worker`'s capacity; the error to raise."""
+        self.counts["over_capacity"] += 1
+        return ValueError(
+            f"a resync of {pages} pages from {worker.worker_id!r}, over its capacity of "
+            f"{worker.capacity} pages"
+        )
+
     def applied(self, worker: Worker, seq: int) -> ApplyResult:
         """Batch `seq` of `worker` is applied: the next one is seq + 1."""
         worker.last_seq = seq

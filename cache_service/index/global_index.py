@@ -22,7 +22,6 @@ from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
 from cache_service.index.owner import ThreadOwned
 from cache_service.index.registry import (
-    DEFAULT_CAPACITY,
     NO_PEER_ADDRESS,
     PeerAddress,
     Registration,
@@ -63,11 +62,11 @@ class GlobalIndex(ThreadOwned):
         load_weight: the weight of a worker's queue in routing (see `route`).
         max_workers: registrations at once; when full, a newcomer takes the place of the
             least recently seen registration that holds no pages.
-        max_tenants: tenant salts with figures of their own (later ones: "(other)").
+        max_tenants: tenants the front door names with figures of their own (the rest:
+            "(unnamed)").
         max_spans: holders a match names at most (the longest).
-        max_capacity: the most pages one worker may hold (a registration claiming more
-            is refused): each worker's claims are bounded by its capacity, and this bounds
-            the capacity a key may claim.
+        max_capacity: the most pages a worker may register as its capacity (its claims
+            are bounded by that capacity).
 
     Raises:
         ValueError: a non-positive page_tokens, timeout or bound, or a negative load_weight.
@@ -91,10 +90,7 @@ class GlobalIndex(ThreadOwned):
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         if max_spans < 1:
             raise ValueError(f"max_spans must be positive, got {max_spans}")
-        if max_capacity < 1:
-            raise ValueError(f"max_capacity must be positive, got {max_capacity}")
         self.page_tokens = page_tokens
-        self.max_capacity = max_capacity
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
         self.load_weight = load_weight
@@ -105,7 +101,7 @@ class GlobalIndex(ThreadOwned):
         self._nodes = Nodes(page_tokens, self._keys, self._holders.grow)
         self._nodes.grow(64)
         self._chains = Chains(self._nodes, self._holders)
-        self._registry = Registry(max_workers)
+        self._registry = Registry(max_workers, max_capacity)
         self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match
         # Epochs are issued here, one per registration. They start at the wall clock in
@@ -137,8 +133,7 @@ class GlobalIndex(ThreadOwned):
             now: the current time in seconds (default: time.monotonic()).
             peer: how peers read its pages (page server, shared-memory store, key); it
                 replaces the entry of any earlier incarnation (see `peer`).
-            capacity: pages its store holds: the most it may hold in the index; 0 (it did
-                not say) stands for DEFAULT_CAPACITY, or max_capacity if that is lower.
+            capacity: pages its store holds, the most it may hold here (0: a default).
 
         Returns:
             A Registration with the new epoch; the next event batch carries seq 1.
@@ -151,7 +146,7 @@ class GlobalIndex(ThreadOwned):
         self._own()
         now = time.monotonic() if now is None else now
         peer = checked_peer(peer)
-        capacity = self._checked_capacity(worker_id, capacity)
+        capacity = self._registry.capacity(worker_id, capacity)
         worker = self._registry.get(worker_id)
         tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
         if worker is None and self._registry.full():
@@ -166,9 +161,7 @@ class GlobalIndex(ThreadOwned):
         self._last_epoch += 1
         dropped = 0
         if worker is None:
-            worker = self._registry.add(
-                worker_id, self._last_epoch, node_id, tier_code, peer, capacity
-            )
+            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code, peer)
         else:
             dropped = self._chains.drop_all(worker)
             self._registry.release_tier(worker.tier)
@@ -176,14 +169,6 @@ class GlobalIndex(ThreadOwned):
         worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
         worker.peer, worker.capacity = peer, capacity
         return Registration(worker_id, worker.epoch, 0, dropped)
-
-    def _checked_capacity(self, worker_id: str, capacity: int) -> int:
-        if type(capacity) is not int or not 0 <= capacity <= self.max_capacity:
-            raise ValueError(
-                f"cannot register {worker_id!r} with a capacity of {capacity!r} pages: "
-                f"0 to {self.max_capacity} (0: the default)"
-            )
-        return capacity or min(DEFAULT_CAPACITY, self.max_capacity)
 
     def heartbeat(self, worker_id: str, epoch: int, now: float | None = None) -> bool:
         """Mark a worker alive at `now` (default: time.monotonic()); False when it is unknown
@@ -339,11 +324,7 @@ class GlobalIndex(ThreadOwned):
         packed = check_snapshot(chains, self.page_tokens)
         pages = sum(len(chain.page_ids) for chain in chains)  # distinct: checked above
         if pages > worker.capacity:
-            self._batches.counts["over_capacity"] += 1
-            raise ValueError(
-                f"a resync of {pages} pages from {worker_id!r}, over its capacity of "
-                f"{worker.capacity} pages"
-            )
+            raise self._batches.over_capacity(worker, pages)
         self._clock += 1
         self._chains.drop_all(worker)
         for chain, data in zip(chains, packed, strict=True):

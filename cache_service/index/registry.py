@@ -13,7 +13,7 @@ the codec), and tier names are forgotten with their last worker.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from cache_service.index.nodes import NONE
@@ -155,13 +155,14 @@ class Worker:
         self.peer = peer  # how peers read its pages, as this incarnation registered
         self.capacity = capacity  # the most pages it may hold at once
 
-    def room_for(self, page_ids: Iterable[int]) -> bool:
+    def room_for(self, page_ids: Sequence[int]) -> bool:
         """Whether storing `page_ids` keeps the worker within its capacity, counting the
         ids it does not hold yet (an upper bound: storing may also let go of others)."""
         pages = self.pages
         room = self.capacity - pages.size
-        new = sum(pages.get(page) is None for page in page_ids)
-        return new <= room
+        if len(page_ids) <= room:  # fits even if every id is new: no lookups (the usual)
+            return True
+        return sum(pages.get(page) is None for page in page_ids) <= room
 
 
 class RegistryFull(ValueError):
@@ -173,12 +174,16 @@ class Registry:
 
     Args:
         max_workers: registrations at once (at most MAX_SLOTS).
+        max_capacity: the most pages one worker may say it holds (`capacity`).
     """
 
-    def __init__(self, max_workers: int = 1024) -> None:
+    def __init__(self, max_workers: int = 1024, max_capacity: int = 1 << 20) -> None:
         if not 1 <= max_workers <= MAX_SLOTS:
             raise ValueError(f"max_workers must be in [1, {MAX_SLOTS}], got {max_workers}")
+        if max_capacity < 1:
+            raise ValueError(f"max_capacity must be positive, got {max_capacity}")
         self.max_workers = max_workers
+        self.max_capacity = max_capacity
         self.workers: dict[str, Worker] = {}
         self.slots: list[Worker | None] = []
         self._free_slots: list[int] = []
@@ -186,6 +191,20 @@ class Registry:
         self._tier_codes: dict[str, int] = {}
         self._tier_users: list[int] = []
         self.removed: dict[str, int] = {}  # reason -> workers removed for it
+
+    def capacity(self, worker_id: str, capacity: int) -> int:
+        """The capacity `worker_id` registers with (0: it did not say: DEFAULT_CAPACITY,
+        or max_capacity if that is lower).
+
+        Raises:
+            ValueError: not an int in [0, max_capacity].
+        """
+        if type(capacity) is not int or not 0 <= capacity <= self.max_capacity:
+            raise ValueError(
+                f"cannot register {worker_id!r} with a capacity of {capacity!r} pages: "
+                f"0 to {self.max_capacity} (0: the default)"
+            )
+        return capacity or min(DEFAULT_CAPACITY, self.max_capacity)
 
     def get(self, worker_id: str | None) -> Worker | None:
         return None if worker_id is None else self.workers.get(worker_id)
@@ -235,12 +254,11 @@ class Registry:
         node_id: str,
         tier: int,
         peer: PeerAddress = NO_PEER_ADDRESS,
-        capacity: int = DEFAULT_CAPACITY,
     ) -> Worker:
         """A new worker in a free slot (the caller made room: see `full`)."""
         assert not self.full(), f"{len(self.workers)} workers registered, the most"
         slot = self._free_slots.pop() if self._free_slots else len(self.slots)
-        worker = Worker(worker_id, slot, epoch, node_id, tier, peer, capacity)
+        worker = Worker(worker_id, slot, epoch, node_id, tier, peer)
         if slot == len(self.slots):
             self.slots.append(worker)
         else:
