@@ -124,12 +124,12 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     with launch.attached(args.address):
         service = get_service()
         if args.clear:
-            if not ray.get(service.clear_quarantine.remote(args.clear)):
+            if not ray.get(service.clear_quarantine.remote(args.clear), timeout=30):
                 print(f"kvmesh quarantine: {args.clear!r} is not in quarantine", file=sys.stderr)
                 return 1
             print(f"{args.clear} may register again")
             return 0
-        records = ray.get(service.quarantined.remote())
+        records = ray.get(service.quarantined.remote(), timeout=30)
     if args.json:
         print(json.dumps(records, sort_keys=True))
     elif not records:

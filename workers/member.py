@@ -515,6 +515,7 @@ class MeshMember:
         self.page_server.check_integrity()
         self.links.check_integrity()
         self.provenance.check(self.store.layout.num_pages)
+        self.spot_checks.check()
 
     def close(self) -> None:
         """Say BYE, stop publishing and serving pages, close every source and client, and

@@ -404,11 +404,7 @@ class Worker:
     def _pass_done(self, step: Step, seconds: float) -> None:
         """A forward pass ran: charge its time to the prefills in it; a lone prefill
         refines the prefill curve the copy decisions use."""
-        prefills = [
-            (seq, chunk)
-            for seq, chunk in zip(step.sequences, step.chunks[: len(step.sequences)], strict=True)
-            if seq.phase is Phase.PREFILL
-        ]
+        prefills = [(seq, chunk) for seq, chunk in step.pairs() if seq.phase is Phase.PREFILL]
         for seq, _ in prefills:
             seq.prefill_s += seconds
         if len(step.chunks) == 1 and prefills:

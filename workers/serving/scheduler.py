@@ -74,6 +74,10 @@ class Step(NamedTuple):
     chunks: list[Chunk]
     checks: list[tuple[Sequence, Any]]
 
+    def pairs(self) -> Iterable[tuple[Sequence, Chunk]]:
+        """Each sequence with its own chunk (the spot checks' chunks left out)."""
+        return zip(self.sequences, self.chunks[: len(self.sequences)], strict=True)
+
 
 class Scheduler:
     """Decides each forward pass (see the module docstring).
@@ -200,7 +204,7 @@ class Scheduler:
         (nothing of this pass is published or sampled for it). Then publish the prefill
         chunks' full pages at once (a request arriving next step finds them cached)."""
         failed = {id(seq) for seq, check in step.checks if not check.judge()}
-        for seq, chunk in zip(step.sequences, step.chunks[: len(step.sequences)], strict=True):
+        for seq, chunk in step.pairs():
             if seq.unjudged is not None:
                 local, copied_to = seq.unjudged
                 seq.unjudged, seq.checks = None, []

@@ -183,6 +183,14 @@ class SpotChecks:
             for holder in holders:
                 self._trusted.pop(holder, None)
 
+    def check(self) -> None:
+        """Raise AssertionError unless the counts and the trusted holders are in bounds."""
+        with self._lock:
+            assert len(self._trusted) <= _MAX_TRUSTED, f"{len(self._trusted)} trusted holders"
+            assert 0 <= self.unattributed <= self.failures <= self.checks, (
+                f"{self.unattributed} unattributed, {self.failures} failed, {self.checks} checks"
+            )
+
     def figures(self) -> dict[str, int]:
         with self._lock:
             return {

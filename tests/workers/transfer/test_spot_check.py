@@ -20,6 +20,7 @@ def test_a_holders_first_copy_is_checked_then_copies_at_the_rate():
     assert checks.figures() == {"checks": 1, "failures": 0, "unattributed": 0, "trusted_holders": 1}
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         SpotChecks(rate=1.5)
+    checks.check()
 
 
 def test_a_failure_blames_a_holder_only_over_a_context_it_or_trusted_holders_gave():
@@ -31,6 +32,7 @@ def test_a_failure_blames_a_holder_only_over_a_context_it_or_trusted_holders_gav
     assert not verdict.passed and checks.unattributed == 1
     checks.distrust(["trusted"])  # checked again at its next copy
     assert [s.holder for s in checks.pick([("trusted", 0, 2)], 16)] == ["trusted"]
+    checks.check()
 
 
 def test_kv_error_is_relative_and_infinite_for_non_finite_pages():
