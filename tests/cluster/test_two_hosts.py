@@ -462,6 +462,10 @@ import cluster
 from prometheus_client.parser import text_string_to_metric_families
 mesh = cluster.connect(address=sys.argv[1])
 status = mesh.stats()
+if status["metrics_url"] is None:  # the service did not answer (a loaded machine): again
+    print(json.dumps({"engines": {}, "samples": {}}))
+    mesh.shutdown()
+    sys.exit(0)
 with urllib.request.urlopen(status["metrics_url"], timeout=10) as reply:
     text = reply.read().decode()
 samples = {}
