@@ -63,7 +63,7 @@ TEST_PROCESSES ?= 2
 
 test:
 	$(MAKE) -j3 test-deps
-	$(BIN)/python -m pytest --dist loadfile \
+	$(BIN)/python -m pytest --dist loadfile --durations=25 \
 	    --tx '$(TEST_PROCESSES)*popen//python=$(CURDIR)/tests/isolate $(CURDIR)/$(BIN)/python'
 
 lint: install

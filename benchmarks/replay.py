@@ -365,13 +365,18 @@ class _Cluster:
             matched = self.index.match(NAMESPACE, packed, requester=worker_id).matched_tokens
         allocation = cache.acquire(tokens, NAMESPACE)
         assert allocation is not None, f"{n} tokens do not fit worker {worker_id}"
-        local = allocation.cached_tokens
+        local = self._own_prefix(worker_id, allocation, packed, n)
         remote = max(0, min(matched, n - 1) - local)
         allocation.publish(n)
         allocation.release()
         self._ship(worker_id)
         self._account(worker_id, n - local - remote)
         return _Served(worker_id, local, remote)
+
+    def _own_prefix(self, worker_id: str, allocation, packed: bytes, n: int) -> int:
+        """Tokens of the prompt the worker reuses of its own: its cache's match (a tiered
+        replay adds what it loads back from its disk)."""
+        return allocation.cached_tokens
 
     def _ship(self, worker_id: str) -> None:
         events = self.caches[worker_id].take_events()

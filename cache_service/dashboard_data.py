@@ -13,7 +13,13 @@ nobody changes once published.
                    "pages": {"free", "cached", "in_use"}, "evictions": {reason: pages}}],
      "tenants":  [{"tenant", "requests", <sources>, "hit_rate"}],
      "evictions": {reason: pages},
-     "ttft":     {"hit" | "miss": {"count", "sum", "buckets": [[le, cumulative], ...]}}}
+     "ttft":     {"hit" | "miss": {"count", "sum", "buckets": [[le, cumulative], ...]}},
+     "tiers":    [{"tier", "hit_tokens", "hit_rate" (of all prompt tokens), "pages",
+                   "capacity", "evictions": {reason: pages}, "workers", "accepting",
+                   "bytes_written", "bytes_read", "demotions", "errors",
+                   "dropped": {reason: records}}]   top down (`WorkerReports.tiers`);
+                   the figures only a tier's own report carries are null where no worker
+                   reported that tier}
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def dashboard_json(
             "evictions": {},
             "ttft": {},
             "quarantined": [],
+            "tiers": [],
         }
     by_worker: dict[str, TenantFigures] = {}
     by_tenant: dict[str, TenantFigures] = {}
@@ -91,6 +98,7 @@ def dashboard_json(
             for cache, counts in sorted(snapshot.ttft.items())
         },
         "quarantined": [dict(record) for record in snapshot.quarantined],
+        "tiers": [{"tier": tier, **figures} for tier, figures in snapshot.tiers.items()],
     }
 
 

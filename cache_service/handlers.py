@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 # Server-side error codes, beside the codec's own.
 # A heartbeat from a worker the index does not know (register), or GetPeer of one.
 UNKNOWN_WORKER = "unknown_worker"
-REJECTED = "rejected"  # well-formed but refused by the index (e.g. a 257th tier)
+REJECTED = "rejected"  # well-formed but refused by the index (e.g. a capacity too large)
 FORBIDDEN = "forbidden"  # the sender's identity may not send this request
 STALE_EPOCH = "stale_epoch"  # BYE with another epoch than the worker's current one
 REGISTRY_FULL = "registry_full"  # max_workers registered, each holding pages

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from cache_service.events import KvEvent, Namespace, PagesStored
+from cache_service.events import TIERS, KvEvent, Namespace, PagesStored
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -25,7 +25,9 @@ class Register(NamedTuple):
 
     worker_id: str
     node_id: str
-    tier: str  # the memory tier its pages live in, e.g. "cpu" or "gpu"
+    # The worker's kind of memory, e.g. "cpu" or "gpu": shown in its peer entry, nothing
+    # more (match spans carry each page's own tier, from the events).
+    tier: str
     address: str  # its page server, for peers on other nodes; "" if none
     shm_name: str  # its shared-memory page store, for peers on its node; "" if none
     page_key: bytes | None  # its page server's CurveZMQ public key (z85); None: no auth
@@ -40,6 +42,9 @@ class Register(NamedTuple):
 # for a long prefix across nodes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0)
+# A load back from a lower tier: tens of microseconds for a page in the OS page cache, a
+# second or more for a long prefix read from a slow disk.
+LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0, 2.5)
 
 
 class Observed(NamedTuple):
@@ -58,6 +63,30 @@ class TenantTokens(NamedTuple):
     local_hit: int  # from the worker's own pages
     remote_hit: int  # copied from a peer (same node or not) and validated
     computed: int
+
+
+class TierFigures(NamedTuple):
+    """One tier of a worker's pages: what it holds now and what went through it since the
+    worker started (cumulative, as the rest of the report)."""
+
+    tier: str  # one of TIERS
+    pages: int  # pages held in the tier now
+    capacity: int  # pages it can hold
+    bytes_written: int  # page bytes written into it (demotions, write-through)
+    bytes_read: int  # page bytes read out of it (loads back, peers' reads)
+    demotions: int  # pages that came down into it from the tier above
+    # reason -> pages removed from it: "evicted", "demoted", "cleared", "aborted",
+    # "compacted", "corrupt", "quarantined".
+    evictions: Mapping[str, int]
+    # Prompt tokens served from it; they are among the worker's local hits (TenantTokens).
+    hit_tokens: int
+    load_seconds: Observed  # LOAD_BUCKETS, one observation per request that loaded from it
+    read_ns_per_token: int  # measured cost of loading one token's KV from it (0: not yet)
+    accepting: int  # 1: it takes pages; 0: it stopped (full, or a failing disk)
+    errors: int  # read and write failures
+    # reason -> records dropped when verified: "corrupt", "truncated", "foreign",
+    # "format", "orphan".
+    dropped: Mapping[str, int]
 
 
 class WorkerReport(NamedTuple):
@@ -99,6 +128,10 @@ class WorkerReport(NamedTuple):
     # reported): `workers.transfer.spot_check`.
     spot_checks: int
     spot_check_failures: int
+    # Its tiers, top down (each at most once); () from a worker that reports none, whose
+    # pages are all in host memory. The page counts and evictions above are its page
+    # store's: device memory when it reports a device tier, else host memory.
+    tiers: Sequence[TierFigures] = ()
 
 
 # The report's load fields: what routing weighs (`cache_service.routing`).
@@ -303,12 +336,25 @@ class HolderSpan(NamedTuple):
 
     The worker holds prompt pages 0 .. len(page_ids) - 1; `page_ids[i]` is prompt page i in
     the worker's own page store, `generations[i]` its generation when it was published.
+    `tier` is the tier (a name of `events.TIERS`) of the span's first page; `tiers` is
+    empty when every page of the span is in that tier, else one byte per page, its tier's
+    index into TIERS (`tier_of`):
+
+        page_ids   (10, 11, 12, 907)
+        tier       "host"
+        tiers      b""                  every page in host memory
+        tiers      bytes((1, 1, 1, 2))  pages 0-2 in host memory, page 3 on disk
     """
 
     worker_id: str
-    tier: str  # the memory tier the worker registered
+    tier: str
     page_ids: tuple[int, ...]
     generations: tuple[int, ...]  # same length as page_ids
+    tiers: bytes = b""
+
+    def tier_of(self, i: int) -> str:
+        """The tier of page i of the span."""
+        return TIERS[self.tiers[i]] if self.tiers else self.tier
 
 
 class PackedSpan(NamedTuple):
@@ -320,6 +366,7 @@ class PackedSpan(NamedTuple):
     tier: str
     page_ids: bytes
     generations: bytes
+    tiers: bytes = b""  # as HolderSpan's
 
 
 class MatchResult(NamedTuple):
@@ -370,7 +417,7 @@ class PeerEntry(NamedTuple):
     worker_id: str
     epoch: int
     node_id: str
-    tier: str
+    tier: str  # as it registered (see Register)
     address: str  # its page server; "" if none
     shm_name: str  # its shared-memory page store; "" if none
     page_key: bytes | None  # its page server's public key (z85); None: no auth

@@ -13,6 +13,13 @@ Names follow vLLM's where vLLM has one (`kvmesh_prefix_cache_queries_total` and
 `..._hits_total` count tokens, as `vllm:prefix_cache_queries` does). Tenant labels are
 the names the front door gave (never salts), as many as the index keeps names for
 (`max_tenants`); every salt without a name is summed as "(unnamed)".
+
+Tiers: prompt tokens, pages and evictions carry a `tier` label ("device", "host",
+"disk"; computed tokens "none"), and `kvmesh_tier_*` families show what went through each
+tier a worker reports. A tier's hit rate is its hit tokens over all prompt tokens:
+
+    sum by (tier) (rate(kvmesh_prompt_tokens_total{source=~"local_hit|remote_hit"}[1m]))
+      / ignoring (tier) group_left sum(rate(kvmesh_prompt_tokens_total[1m]))
 """
 
 from __future__ import annotations
@@ -32,8 +39,23 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cache_service import dashboard_data
-from cache_service.messages import COPY_BUCKETS, TTFT_BUCKETS, Observed
-from cache_service.reports import SOURCES, TenantFigures, WorkerReports
+from cache_service.messages import (
+    COPY_BUCKETS,
+    LOAD_BUCKETS,
+    TIERS,
+    TTFT_BUCKETS,
+    Observed,
+    TierFigures,
+)
+from cache_service.reports import (
+    REMOTE_TIER,
+    TenantFigures,
+    WorkerReports,
+    store_tier,
+)
+
+# The tier label of computed tokens: no tier served them.
+NO_TIER = "none"
 
 # Seconds a match takes inside the service (decode to reply): tens of microseconds
 # for a short prompt, a few milliseconds for a long one on a loaded index.
@@ -98,6 +120,7 @@ class WorkerFiguresRow(NamedTuple):
     loop_restarts: int = 0
     ended: Mapping[str, int] = {}  # "deadline" / "cancelled" -> requests ended early
     spot_checks: Mapping[str, int] = {}  # "checked" / "failed" -> copied pages recomputed
+    tiers: Sequence[TierFigures] = ()  # as the worker reported them, top down
 
 
 class MetricsSnapshot(NamedTuple):
@@ -122,6 +145,10 @@ class MetricsSnapshot(NamedTuple):
     # evidence) and how many went in since the service started.
     quarantined: Sequence[Mapping[str, Any]] = ()
     quarantines: int = 0
+    # Per tier: load-back times summed over workers, and its hits and figures summed over
+    # them (`WorkerReports.tiers`).
+    load_seconds: Mapping[str, HistogramCounts] = {}
+    tiers: Mapping[str, Mapping[str, Any]] = {}
 
 
 def snapshot_from(
@@ -155,10 +182,12 @@ def snapshot_from(
             loop_restarts=report.loop_restarts,
             ended={"deadline": report.deadline_exceeded, "cancelled": report.cancelled},
             spot_checks={"checked": report.spot_checks, "failed": report.spot_check_failures},
+            tiers=tuple(report.tiers),
         )
         for worker_id, report, live in rows
     }
     reported = [report for _, report, _ in rows]
+    tiers = [tier for report in reported for tier in report.tiers]
     return MetricsSnapshot(
         time=now,
         epoch=epoch,
@@ -177,6 +206,12 @@ def snapshot_from(
         },
         quarantined=tuple((quarantine or {}).get("members", ())),
         quarantines=(quarantine or {}).get("quarantines", 0),
+        load_seconds={
+            name: _summed(LOAD_BUCKETS, [t.load_seconds for t in tiers if t.tier == name])
+            for name in TIERS
+            if any(t.tier == name for t in tiers)
+        },
+        tiers=reports.tiers(),
     )
 
 
@@ -227,8 +262,9 @@ class SnapshotCollector(Collector):
         yield resyncs
         yield from _query_families("worker", snap.worker_queries)
         yield from _query_families("tenant", snap.tenant_queries)
-        yield from _served_families(snap.served)
+        yield from _served_families(snap.served, snap.workers)
         yield from _worker_families(snap.workers)
+        yield from _tier_families(snap.workers)
         yield _histogram(
             "kvmesh_lookup_seconds", "Time the service takes to answer a match.", snap.lookup
         )
@@ -245,6 +281,14 @@ class SnapshotCollector(Collector):
         for cache, counts in sorted(snap.ttft.items()):
             ttft.add_metric([cache], counts.cumulative(), counts.total)
         yield ttft
+        load = HistogramMetricFamily(
+            "kvmesh_tier_load_seconds",
+            "Time a request spends loading pages back from a tier (requests that did).",
+            labels=["tier"],
+        )
+        for tier, counts in snap.load_seconds.items():
+            load.add_metric([tier], counts.cumulative(), counts.total)
+        yield load
         quarantined = GaugeMetricFamily(
             "kvmesh_quarantined",
             "1 for each member in quarantine: its pages failed a spot check; it may not "
@@ -271,15 +315,19 @@ def _histogram(name: str, doc: str, counts: HistogramCounts) -> HistogramMetricF
     return family
 
 
-def _served_families(served: Mapping[tuple[str, str], TenantFigures]) -> Iterator[Metric]:
-    """Prompt tokens by source, requests, and vLLM's prefix-cache queries / hits (tokens),
-    by worker and tenant, as the workers reported them."""
+def _served_families(
+    served: Mapping[tuple[str, str], TenantFigures], workers: Mapping[str, WorkerFiguresRow]
+) -> Iterator[Metric]:
+    """Prompt tokens by source and tier, requests, and vLLM's prefix-cache queries / hits
+    (tokens), by worker and tenant, as the workers reported them."""
     labels = ["worker", "tenant"]
     tokens = CounterMetricFamily(
         "kvmesh_prompt_tokens",
         "Prompt tokens by where their KV came from: local_hit (the worker's own pages), "
-        "remote_hit (copied from a peer and validated), computed.",
-        labels=["source", *labels],
+        "remote_hit (copied from a peer and validated), computed; tier: the tier that "
+        "served them (remote hits: host, the peer's; computed: none). A worker's hits from "
+        "tiers other than its page store's are shared among its tenants by local hits.",
+        labels=["source", "tier", *labels],
     )
     requests = CounterMetricFamily("kvmesh_requests", "Requests admitted.", labels=labels)
     queries = CounterMetricFamily(
@@ -291,8 +339,14 @@ def _served_families(served: Mapping[tuple[str, str], TenantFigures]) -> Iterato
         labels=labels,
     )
     for (worker, tenant), figures in sorted(served.items()):
-        for source in SOURCES:
-            tokens.add_metric([source, worker, tenant], getattr(figures, source))
+        row = workers.get(worker)
+        tiers = row.tiers if row is not None else ()
+        shown = {store_tier(tiers)} | {t.tier for t in tiers}  # the tiers it has
+        for tier, count in figures.local_by_tier().items():
+            if tier in shown or count:
+                tokens.add_metric(["local_hit", tier, worker, tenant], count)
+        tokens.add_metric(["remote_hit", REMOTE_TIER, worker, tenant], figures.remote_hit)
+        tokens.add_metric(["computed", NO_TIER, worker, tenant], figures.computed)
         requests.add_metric([worker, tenant], figures.requests)
         queries.add_metric(
             [worker, tenant], figures.local_hit + figures.remote_hit + figures.computed
@@ -302,12 +356,17 @@ def _served_families(served: Mapping[tuple[str, str], TenantFigures]) -> Iterato
 
 
 def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric]:
-    """Pages by state (live workers only), evictions and copied bytes by worker."""
+    """Pages by state and tier (live workers only), evictions and copied bytes by worker."""
     pages = GaugeMetricFamily(
-        "kvmesh_pages", "Pages of a worker's store by state.", labels=["state", "worker"]
+        "kvmesh_pages",
+        "Pages of a worker's tiers by state: its page store's (host memory, or device "
+        "memory on a GPU) free, cached or in_use; another tier's free or cached (held).",
+        labels=["state", "tier", "worker"],
     )
     evictions = CounterMetricFamily(
-        "kvmesh_evictions", "Pages evicted, by reason.", labels=["reason", "worker"]
+        "kvmesh_evictions",
+        "Pages removed from a worker's tier, by reason.",
+        labels=["reason", "tier", "worker"],
     )
     copied = CounterMetricFamily(
         "kvmesh_copy_bytes",
@@ -354,14 +413,22 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
         labels=["result", "worker"],
     )
     for worker, row in sorted(workers.items()):
+        store = store_tier(row.tiers)  # the report's own page counts are its store's
+        others = [t for t in row.tiers if t.tier != store]
         if row.live:
             for state, count in row.pages.items():
-                pages.add_metric([state, worker], count)
+                pages.add_metric([state, store, worker], count)
+            for tier in others:
+                pages.add_metric(["free", tier.tier, worker], max(tier.capacity - tier.pages, 0))
+                pages.add_metric(["cached", tier.tier, worker], tier.pages)
             running.add_metric([worker], row.requests.get("running", 0))
             waiting.add_metric([worker], row.requests.get("waiting", 0))
             serving.add_metric([worker], row.serving)
         for reason, count in sorted(row.evictions.items()):
-            evictions.add_metric([reason, worker], count)
+            evictions.add_metric([reason, store, worker], count)
+        for tier in others:
+            for reason, count in sorted(tier.evictions.items()):
+                evictions.add_metric([reason, tier.tier, worker], count)
         for kind, count in row.copy_bytes.items():
             copied.add_metric([kind, worker], count)
         aligned.add_metric([worker], row.alignment_lost_tokens)
@@ -374,6 +441,63 @@ def _worker_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric
             spot.add_metric(["failed", worker], failed)
     yield from (pages, evictions, copied, running, waiting, aligned, serving, restarts, ended)
     yield spot
+
+
+def _tier_families(workers: Mapping[str, WorkerFiguresRow]) -> Iterator[Metric]:
+    """What went through each tier a worker reports: bytes, demotions, errors, records
+    dropped (counters, kept for departed workers), capacity and whether it takes pages
+    (gauges, live workers only)."""
+    labels = ["tier", "worker"]
+    capacity = GaugeMetricFamily(
+        "kvmesh_tier_capacity_pages",
+        "Pages a worker's tier can hold.",
+        labels=labels,
+    )
+    accepting = GaugeMetricFamily(
+        "kvmesh_tier_accepting",
+        "1 while a worker's tier takes pages; 0 while it stopped (full, or a failing disk).",
+        labels=labels,
+    )
+    written = CounterMetricFamily(
+        "kvmesh_tier_written_bytes",
+        "Page bytes written into a worker's tier (demotions, write-through).",
+        labels=labels,
+    )
+    read = CounterMetricFamily(
+        "kvmesh_tier_read_bytes",
+        "Page bytes read out of a worker's tier (loads back, peers' reads).",
+        labels=labels,
+    )
+    demotions = CounterMetricFamily(
+        "kvmesh_tier_demotions",
+        "Pages that came down into a worker's tier from the tier above.",
+        labels=labels,
+    )
+    errors = CounterMetricFamily(
+        "kvmesh_tier_errors", "Reads and writes of a worker's tier that failed.", labels=labels
+    )
+    dropped = CounterMetricFamily(
+        "kvmesh_tier_dropped_records",
+        "Records of a worker's tier dropped when verified, by reason (corrupt, truncated, "
+        "foreign, format, orphan).",
+        labels=["reason", *labels],
+    )
+    for worker, row in sorted(workers.items()):
+        if row.live:
+            store = store_tier(row.tiers)  # its capacity: the report's own page counts
+            capacity.add_metric([store, worker], sum(row.pages.values()))
+            for tier in row.tiers:
+                if tier.tier != store:
+                    capacity.add_metric([tier.tier, worker], tier.capacity)
+                accepting.add_metric([tier.tier, worker], tier.accepting)
+        for tier in row.tiers:
+            written.add_metric([tier.tier, worker], tier.bytes_written)
+            read.add_metric([tier.tier, worker], tier.bytes_read)
+            demotions.add_metric([tier.tier, worker], tier.demotions)
+            errors.add_metric([tier.tier, worker], tier.errors)
+            for reason, count in sorted(tier.dropped.items()):
+                dropped.add_metric([reason, tier.tier, worker], count)
+    yield from (capacity, accepting, written, read, demotions, errors, dropped)
 
 
 def _query_families(label: str, tallies: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:

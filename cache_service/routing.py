@@ -18,6 +18,7 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
 
     est(w) = prefill_s * (load_weight * queue(w) + compute(w))   its queue, then its prefill
            + copy_s(w) * copied(w)                   what it copies in from holders
+           + disk_s * read(w)                        what it, or a holder, reads from disk
            + prefill_s * running(w)                  a token's worth for each sequence
                                                      its prefill shares a pass with
 
@@ -27,6 +28,13 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
     copied(w)  = reach(w) - own(w)
     compute(w) = prompt_tokens - reach(w)
     queue(w)   = prompt tokens w has yet to compute for the requests it queued or runs
+    read(w)    = the tokens of own(w) and copied(w) on disk, not in host memory
+
+A holder's pages are in host memory up to its `held_host`, on its disk past it (a worker
+demotes the leaves of its prefixes first, so a prefix's disk pages follow its host
+pages). A token read from disk costs `disk_s`, the median of the candidates' measured
+disk reads, but never more than computing it: a worker loads from disk only when that
+is faster (`workers.transfer.costs`).
 
 A prefix held only elsewhere counts for every worker (any of them can copy it), at the
 measured cost of copying it: shared memory when the holder is on w's node, its page
@@ -70,6 +78,7 @@ class WorkerLoad(NamedTuple):
     prefill_s: float = DEFAULT_PREFILL_S  # seconds to compute one prompt token
     copy_s_same_node: float = DEFAULT_COPY_S_SAME_NODE  # seconds to copy one token's KV
     copy_s_remote: float = DEFAULT_COPY_S_REMOTE
+    disk_s: float = 0.0  # seconds to read one token's KV from its disk (0: no disk, or unmeasured)
 
 
 class Candidate(NamedTuple):
@@ -94,6 +103,8 @@ class RouteInputs(NamedTuple):
         holder_nodes: worker id -> node, of each holder in `held`.
         pending: worker id -> prompt tokens it is computing for a request in flight.
         load_weight: the weight of the queue term (kvmesh's estimate).
+        held_host: worker id -> the tokens of its `held` prefix in host memory, the rest
+            being on its disk (absent: all of it in host memory).
     """
 
     candidates: Sequence[Candidate]
@@ -102,6 +113,7 @@ class RouteInputs(NamedTuple):
     holder_nodes: Mapping[str, str] = {}
     pending: Mapping[str, int] = {}
     load_weight: float = 1.0
+    held_host: Mapping[str, int] = {}
 
 
 class RoutingPolicy(Protocol):
@@ -159,10 +171,16 @@ class EstimatedTtft:
         prefill_s = _median([load.prefill_s for load in loads])
         copy_same = _median([load.copy_s_same_node for load in loads])
         copy_remote = _median([load.copy_s_remote for load in loads])
+        disk_s = min(
+            _median([load.disk_s for load in loads if load.disk_s > 0] or [0.0]), prefill_s
+        )
+        held_host = inputs.held_host
         best = max(inputs.held.values(), default=0)
-        # The nodes holding `best` tokens: copying from one of them on a candidate's node
-        # goes through shared memory.
-        best_nodes = {inputs.holder_nodes.get(w) for w, held in inputs.held.items() if held == best}
+        # The holders of `best` tokens: copying from one on a candidate's node goes through
+        # shared memory; the one with the most of them in host memory is copied from.
+        best_holders = [w for w, held in inputs.held.items() if held == best]
+        best_nodes = {inputs.holder_nodes.get(w) for w in best_holders}
+        best_host = max((held_host.get(w, best) for w in best_holders), default=0)
 
         def estimate(c: Candidate) -> tuple[float, int, int]:
             held = inputs.held.get(c.worker_id, 0)
@@ -170,8 +188,10 @@ class EstimatedTtft:
             reach = max(own, best)
             copy_s = copy_same if c.node_id in best_nodes else copy_remote
             queue = inputs.load_weight * c.queue
+            read = held - min(held, held_host.get(c.worker_id, held))  # its own, on disk
+            read += max(0, reach - max(own, best_host))  # the holder's, past its host pages
             seconds = prefill_s * (queue + prompt_tokens - reach + c.load.running)
-            return seconds + copy_s * (reach - own), held, own
+            return seconds + copy_s * (reach - own) + disk_s * read, held, own
 
         figures = {c.worker_id: estimate(c) for c in candidates}
         soonest = min(seconds for seconds, _, _ in figures.values())

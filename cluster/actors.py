@@ -45,6 +45,7 @@ def worker_settings(cfg: KvmeshConfig, keys: MeshKeys, worker_id: str) -> Worker
         page_peers=keys.worker_publics() if auth else frozenset(),
         mesh_secret=keys.secret,
         encrypt_pages=cfg.security.encrypt_pages,
+        disk=cfg.store.disk.settings(cfg.store_layout().page_bytes),
     )
 
 

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "routing under concurrent load: kvmesh's against round-robin and prefix affinity",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
     "compaction": "quality against memory freed for StreamingLLM, H2O and SnapKV on real prose",
+    "tiers": "the disk tier: TTFT from shared memory, from disk and cold; a restarted worker",
 }
 
 

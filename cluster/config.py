@@ -22,6 +22,8 @@ from cache_service.routing import DEFAULT_POLICY
 from cache_service.routing import POLICIES as ROUTING_POLICIES
 from cache_service.server import ServerConfig
 from workers.api import DEFAULT_TIMEOUT_S, check_timeout
+from workers.cache.disk_settings import POLICIES as DISK_POLICIES
+from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.compaction.config import CompactionConfig
 from workers.serving.config import SchedulerConfig
@@ -63,6 +65,45 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}: {self.dtype!r}")
 
 
+# Records a disk tier holds at most, whatever its bytes allow: its pages count in the
+# index like host pages (a worker registers both), and a restarted worker verifies every
+# slot. 16 GiB of SmolLM2 pages is 23,000.
+MAX_DISK_PAGES = 1 << 17
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """A worker's disk tier: pages host memory evicts are written down to local files and
+    loaded back on a hit when that beats recomputing them."""
+
+    enabled: bool = False  # configs/local.yaml turns it on
+    path: str = ""  # "": ~/.cache/kvmesh/disk/<mesh>/<worker id> ($KVMESH_DISK_DIR as root)
+    pages: int = 0  # records at most; 0: from `bytes`
+    bytes: int = 4 << 30  # when pages is 0: this many bytes of page records at most
+    policy: str = "write_back"  # write_back (on eviction) | write_through (on publish)
+    keep: bool = False  # leave the files when the mesh shuts down (restarts adopt either way)
+
+    def __post_init__(self) -> None:
+        if self.pages > MAX_DISK_PAGES:
+            raise ConfigError(f"store.disk.pages is at most {MAX_DISK_PAGES}, got {self.pages}")
+        if self.pages < 0 or self.bytes <= 0:
+            raise ConfigError(
+                f"store.disk.pages must be >= 0 and store.disk.bytes > 0, got "
+                f"{self.pages} and {self.bytes}"
+            )
+        if self.policy not in DISK_POLICIES:
+            raise ConfigError(
+                f"store.disk.policy {self.policy!r}: one of {', '.join(DISK_POLICIES)}"
+            )
+
+    def settings(self, page_bytes: int) -> DiskSettings | None:
+        """The worker's disk settings for pages of `page_bytes` (None: off)."""
+        if not self.enabled:
+            return None
+        pages = self.pages or min(max(self.bytes // page_bytes, 1), MAX_DISK_PAGES)
+        return DiskSettings(self.path, pages, self.policy, self.keep)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """The worker's page store."""
@@ -72,6 +113,7 @@ class StoreConfig:
     num_pages: int = 2048
     # Where pages live. Only "cpu" (the shared-memory store) until device pages exist.
     device: str = "cpu"
+    disk: DiskConfig = field(default_factory=DiskConfig)  # the tier below host memory
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:

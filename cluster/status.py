@@ -8,6 +8,10 @@ reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
      "index_hit_rate":  tokens the index found cached / tokens asked about,
      "prompt_tokens":   {"local_hit", "remote_hit", "computed"} over all workers,
      "pages":           {"total", "free", "cached", "in_use"} over all workers,
+     "tiers":           {tier: "hit_tokens", "hit_rate" (of all prompt tokens), "pages",
+                         "capacity", "bytes_written", "bytes_read", "demotions",
+                         "evictions", "workers", "accepting", ...} from the service (top
+                         down; {} from a service before tiers),
      "nodes":           {node id: {"address", "workers": [worker ids]}},
      "workers":         {worker id: the worker's own figures + "alive", "pages", "hit_rate"},
      "engines":         {worker id: "live", "node", "address", "queries",
@@ -105,6 +109,7 @@ def summarize(
         "index_hit_rate": _rate(cluster.get("hit_tokens", 0), cluster.get("queried_tokens", 0)),
         "prompt_tokens": served,
         "pages": pages,
+        "tiers": dict(service.get("served", {}).get("tiers", {})),
         "nodes": by_node,
         "workers": rows,
         "engines": engines,
@@ -147,6 +152,7 @@ def top_view(status: Mapping[str, Any], refreshed: str | None = None) -> Rendera
         "\n",
         f"pages {pages['in_use']} in use, {pages['cached']} cached, {pages['free']} free "
         f"of {pages['total']}",
+        *((f"\n{tiers_line(status['tiers'])}",) if status.get("tiers") else ()),
         *(
             (f"\n{name} {status[key]}",)
             for key, name in (("dashboard_url", "dashboard"), ("metrics_url", "metrics"))
@@ -260,6 +266,40 @@ def _tenants_table(status: Mapping[str, Any]) -> Table:
             str(t["miss_tokens"]),
         )
     return table
+
+
+def tiers_line(tiers: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line for the tiers, top down: pages held of capacity, the share of prompt tokens
+    each served, and what went through it where its workers report that, e.g.
+
+        tiers: host 96/128 pages, 41.2% of prompt tokens; disk 900/4096 pages, 12.5% of
+        prompt tokens, 3.0 MiB written, 1.5 MiB read, 48 demotions, 2 of 2 accepting
+    """
+    parts = []
+    for tier, t in tiers.items():
+        text = (
+            f"{tier} {t['pages']}/{t['capacity']} pages, {_percent(t['hit_rate'])} of prompt tokens"
+        )
+        if t.get("workers"):  # workers report its own figures
+            text += (
+                f", {_bytes(t['bytes_written'])} written, {_bytes(t['bytes_read'])} read, "
+                f"{t['demotions']} demotions, {t['accepting']} of {t['workers']} accepting"
+            )
+            if t.get("errors"):
+                text += f", {t['errors']} errors"
+        parts.append(text)
+    return "tiers: " + "; ".join(parts)
+
+
+def _bytes(count: int | None) -> str:
+    """Bytes in binary units, as the dashboard shows them ("512 B", "1.5 MiB")."""
+    if count is None:
+        return "?"
+    value, unit = float(count), 0
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    while value >= 1024 and unit < len(units) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{count} B" if unit == 0 else f"{value:.1f} {units[unit]}"
 
 
 def _served_rate(tokens: Mapping[str, int]) -> float:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cache_service.auth import KeyPair
+from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.errors import DeadlineExceeded, RequestCancelled, RequestEnded, ServingStopped
 from workers.serving.compaction.config import CompactionConfig
@@ -112,6 +113,8 @@ class WorkerSettings:
     scheduler: SchedulerConfig = SchedulerConfig()
     # Compaction of running sequences under memory pressure (off by default).
     compaction: CompactionConfig = CompactionConfig()
+    # Its disk tier below host memory (None: none).
+    disk: DiskSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ class RequestStats:
     copy_s: float  # its copy-in
     total_s: float
     worker: str
+    disk_hit_tokens: int = 0  # of the local hits, loaded back from this worker's disk tier
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

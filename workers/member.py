@@ -21,6 +21,8 @@ integrity check or shutdown is made here once.
 Copy-in, for prompt pages [first, end) that the service's match says others hold:
 
     peers      each holder's entry (told by the front door, or looked up: `Peers`)
+    split      each holder's host pages and the disk pages after them, two holders
+               with links of their own (`workers.transfer.peer_disk`)
     plan       which holder gives which pages (`plan_copy`: by measured link rates)
     decide     copy or recompute (a worker weighs its prefill curve; an engine copies)
     copy       every holder at once, each page validated: generation before and after,
@@ -39,12 +41,15 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from cache_service.messages import HolderSpan, WorkerReport
+from workers.cache.disk_settings import default_directory, mesh_key
 from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
+from workers.disk_link import DiskLink, DiskSettings, open_disk
 from workers.service.client import (
     SERVICE_BACKOFF_S,
     ServiceClient,
@@ -62,6 +67,7 @@ from workers.transfer.copy_in import CopyExecutor, CopyPlan, Sources, plan_copy
 from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
 from workers.transfer.page_server import PageServer
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT, TransferAuth
+from workers.transfer.peer_disk import DISK_HOLDER, PeerDisks, disk_prior, split_tiers
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers
 from workers.transfer.spot_check import (
     SPOT_CHECK_RATE,
@@ -95,6 +101,7 @@ class Membership:
         service_backoff_s: how long its clients skip a service that did not answer.
         spot_check_rate: of copies from holders checked before, the share spot-checked
             (`workers.transfer.spot_check`; copies from others are always checked).
+        disk: its disk tier below host memory (None: none).
     """
 
     worker_id: str
@@ -109,6 +116,7 @@ class Membership:
     publish_interval_s: float = 0.5
     service_backoff_s: float = SERVICE_BACKOFF_S
     spot_check_rate: float = SPOT_CHECK_RATE
+    disk: DiskSettings | None = None
 
     def transfer_auth(self) -> TransferAuth | None:
         """Its credentials for page servers, and its own page server's (None: no auth)."""
@@ -148,8 +156,13 @@ class MeshMember:
         # unlink its store: that memory comes back before ours is taken.
         reclaim_dead_segments()
         self.store = SharedPageStore.create(layout, tag=worker_tag(self.worker_id))
+        self.disk: DiskLink | None = None
         try:
-            self.cache = PrefixCache(self.store, cache)
+            if membership.disk is not None:
+                self.disk = open_disk(
+                    membership.disk, membership.secret, self.worker_id, layout, self.store
+                )
+            self.cache = PrefixCache(self.store, cache, lower=self.disk)
             self.figures = WorkerFigures()  # prompt tokens, copies, TTFT: in every heartbeat
             self.auth = membership.transfer_auth()
             self.page_server = PageServer(
@@ -157,8 +170,11 @@ class MeshMember:
                 host=membership.page_host,
                 auth=self.auth,
                 late_readers=membership.late_readers,
+                disk=self.disk,
             )
         except BaseException:
+            if self.disk is not None:
+                self.disk.disk.close()
             self.store.close()
             raise
         keys, backoff = membership.keypair, membership.service_backoff_s
@@ -186,10 +202,14 @@ class MeshMember:
             load=active,
             report=self._report,
             on_new_service=self.client.reconnect,
+            # Every tier's pages are its own in the index: host and disk together.
+            capacity=layout.num_pages + (0 if self.disk is None else self.disk.disk.capacity),
         )
         self._load = load
         self.peers = Peers(self.worker_id, lambda w: look_up_peer(self.client, w), PEER_TTL_S)
-        self.sources = Sources(self.node_id, self.auth)
+        secret = membership.secret
+        disks = PeerDisks(layout, mesh_key(secret), partial(default_directory, secret))
+        self.sources = Sources(self.node_id, self.auth, disks)
         self.copier = CopyExecutor()
         encrypted = self.auth is not None and self.auth.encrypt
         self.links = measure_links(layout.page_bytes, encrypted)
@@ -247,6 +267,7 @@ class MeshMember:
         if peer is not None:
             self.sources.forget(peer.worker_id)
             self.links.forget(peer.worker_id)
+            self.links.forget(DISK_HOLDER.format(peer.worker_id))
 
     # -- copy-in -----------------------------------------------------------------------
 
@@ -269,6 +290,7 @@ class MeshMember:
         end: int,
         decide: Callable[[CopyCosts], Decision] | None = None,
         checks: list[SpotCheck] | None = None,
+        tally: Counter[str] | None = None,
     ) -> int:
         """Copy prompt pages from where the allocation's own prefix ends up to `end` out of
         the holders in `spans`, each page validated; returns where the usable prefix ends,
@@ -286,6 +308,8 @@ class MeshMember:
                 (`workers.transfer.spot_check.SpotCheck`), for a caller with a model that
                 runs each one's token in its next pass and then judges it (None: no
                 checks, as an engine, which has no model of its own).
+            tally: where to count the pages loaded from its own disk (["disk"]), which are
+                hits of its own, not copies.
         """
         p = self.store.layout.page_tokens
         first = allocation.cached_tokens // p
@@ -293,9 +317,28 @@ class MeshMember:
         spans = [s for s in spans if s.worker_id not in self.quarantined]
         peers = {s.worker_id: self.peers.get(s.worker_id) for s in spans}
         peers = {w: peer for w, peer in peers.items() if peer is not None}
+        held = split_tiers([s for s in spans if s.worker_id in peers])
+        spans, owner = held.spans, held.owners
         links = {w: self.links.link(w, peer.node_id != self.node_id) for w, peer in peers.items()}
+        own_disk = None if self.disk is None else self.disk.link()
+        for key in held.disk:  # a peer's disk: a disk read (behind its link, across nodes)
+            prior = disk_prior(links[owner[key]], own_disk)
+            links[key] = self.links.link(key, prior.remote, prior)
+        # What each page must hold: a copy is used only if its holder recorded the same
+        # digest (namespace, KV format, token chain) when it published the page. Hashed
+        # here only when the own disk is looked up by them; else once a plan exists.
+        expected: list[bytes] | None = None
+        sources: dict[str, Any] = {}
+        disk = None
+        if self.disk is not None:
+            expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
+            disk = self.disk.span(expected, first)
+        if disk is not None:  # this worker's own disk continues the prompt: a holder too
+            spans = [disk, *spans]
+            links[disk.worker_id] = self.disk.link()
+            sources[disk.worker_id] = self.disk.source()
         page_bytes = self.store.layout.page_bytes
-        tasks = plan_copy(spans, first, end, links, page_bytes)
+        tasks = plan_copy(spans, first, end, links, page_bytes, held.starts)
         if not tasks:
             return first
         copy_s = recompute_s = 0.0
@@ -311,12 +354,22 @@ class MeshMember:
             tasks = tasks[: decision.tasks]
             copy_s, recompute_s = decision.copy_s, decision.recompute_s
         plan = CopyPlan(tasks, first, tasks[-1].end, copy_s, recompute_s)
-        # What each page must hold: a copy is used only if its holder recorded the same
-        # digest (namespace, KV format, token chain) when it published the page.
-        expected = page_digests(namespace, self.store.kv_format, tokens[: plan.end * p], p)
-        sources = {t.holder: self.sources.get(peers[t.holder]) for t in tasks}
+        if expected is None:
+            expected = page_digests(namespace, self.store.kv_format, tokens[: plan.end * p], p)
+        for t in tasks:
+            if t.holder in held.disk:
+                sources[t.holder] = self.sources.get_disk(peers[owner[t.holder]])
+            elif t.holder not in sources:
+                sources[t.holder] = self.sources.get(peers[t.holder])
         outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
+        end = outcome.end
         for result in outcome.results:
+            if disk is not None and result.task.holder == disk.worker_id:
+                loaded = max(min(result.task.end, end) - result.task.first, 0)
+                self.disk.loaded(loaded, result.seconds, result.valid.count(False))
+                if tally is not None:
+                    tally["disk"] += loaded
+                continue  # its own pages: verified records, no link, no spot check
             remote = sources[result.task.holder].remote
             nbytes = len(result.valid) * page_bytes
             self.figures.copied(nbytes, remote)
@@ -324,11 +377,14 @@ class MeshMember:
             if refused:
                 with self._lock:
                     self.copies_refused += refused
-                self.forget_peer(self.peers.stale(result.task.holder))
+                self.forget_peer(self.peers.stale(owner[result.task.holder]))
             elif result.valid:  # a refused page may never have moved: no rate from it
                 self.links.observe(result.task.holder, remote, nbytes, result.seconds)
-        end = outcome.end
-        ranges = [(r.task.holder, r.task.first, min(r.task.end, end)) for r in outcome.results]
+        ranges = [
+            (owner[r.task.holder], r.task.first, min(r.task.end, end))
+            for r in outcome.results
+            if disk is None or r.task.holder != disk.worker_id
+        ]
         ranges = [r for r in ranges if r[1] < r[2]]
         for holder, lo, hi in ranges:
             self.provenance.record(allocation.pages[lo:hi], holder, expected[lo:hi])
@@ -486,7 +542,8 @@ class MeshMember:
             "spot_checks": checks["checks"],
             "spot_check_failures": checks["failures"],
         }
-        return self.figures.report(self.cache.stats(), load)
+        tiers = () if self.disk is None else (self.disk.figures(),)
+        return self.figures.report(self.cache.stats(), load, tiers)
 
     def stats(self) -> dict[str, Any]:
         """The member's own figures (a worker's stats add its serving's)."""
@@ -506,6 +563,7 @@ class MeshMember:
             "spot_checks": self.spot_checks.figures(),
             "quarantined": sorted(self.quarantined),
             "dropped_pages": self.dropped_pages,
+            "disk": None if self.disk is None else self.disk.stats(),
         }
 
     def check_integrity(self) -> None:
@@ -516,6 +574,8 @@ class MeshMember:
         self.links.check_integrity()
         self.provenance.check(self.store.layout.num_pages)
         self.spot_checks.check()
+        if self.disk is not None:
+            self.disk.check_integrity()
 
     def close(self) -> None:
         """Say BYE, stop publishing and serving pages, close every source and client, and
@@ -526,6 +586,8 @@ class MeshMember:
         self.sources.close()
         self.client.close()
         self.store.close()
+        if self.disk is not None:
+            self.disk.close()
 
 
 def look_up_peer(client: ServiceClient, worker_id: str) -> PeerInfo | None:

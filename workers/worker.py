@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -111,6 +112,7 @@ def membership(settings: WorkerSettings) -> Membership:
         page_readers=settings.page_peers,
         publish_interval_s=settings.publish_interval_s,
         spot_check_rate=settings.spot_check_rate,
+        disk=settings.disk,
     )
 
 
@@ -333,7 +335,7 @@ class Worker:
             seq.done.set()
 
     def _output(self, seq: Seq) -> GenerateOutput:
-        local, remote = seq.hits
+        local, remote, disk = self._hits(seq)
         text = (
             self.tokenizer.decode(seq.output, skip_special_tokens=True)
             if self.tokenizer is not None
@@ -354,6 +356,7 @@ class Worker:
             copy_s=seq.copy_s,
             total_s=time.perf_counter() - seq.arrived,
             worker=self.worker_id,
+            disk_hit_tokens=disk,
         )
         logits = None if seq.logits is None else tuple(seq.logits.tolist())
         return GenerateOutput(tuple(seq.output), text, seq.finish_reason, stats, logits)
@@ -369,11 +372,16 @@ class Worker:
             return local
         try:
             matched, spans = self.member.match(seq.namespace, tokens)
-            end = min(matched, len(tokens) - 1) // p
+            # Its own disk tier may hold more than the mesh's match: every full page but
+            # the last token's is worth planning; the plan stops where holders stop.
+            reach = len(tokens) if self.member.disk is not None else matched
+            end = min(reach, len(tokens) - 1) // p
             seq.checks = []  # run in its first pass (`Scheduler._check`)
+            tally: Counter[str] = Counter()
             copied = self.member.copy_in(
-                allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks
+                allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks, tally
             )
+            seq.disk_tokens = tally["disk"] * p
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
             # never fails a request, nor the serving loop that runs it. Pages half copied
@@ -389,11 +397,21 @@ class Worker:
 
     def _admitted(self, seq: Seq) -> None:
         """A request's first admission: its hits are known now (copies validated)."""
-        local, remote = seq.hits
+        local, remote, disk = self._hits(seq)
         figures = self.member.figures
         figures.admitted(seq.namespace.salt, local, remote, len(seq.prompt) - local - remote)
+        if disk and self.member.disk is not None:
+            self.member.disk.hit(disk)
         if remote:
             figures.copy_took(seq.copy_s)
+
+    @staticmethod
+    def _hits(seq: Seq) -> tuple[int, int, int]:
+        """(local, copied from peers, of the local: loaded from its disk) prompt tokens.
+        Pages loaded back from its own disk are its own hits, not copies."""
+        local, copied = seq.hits
+        disk = min(seq.disk_tokens, copied)
+        return local + disk, copied - disk, disk
 
     def _finished(self, seq: Seq) -> None:
         if seq.first_token_at is not None and seq.error is None:

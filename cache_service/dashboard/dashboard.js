@@ -11,6 +11,10 @@
 //   evictions  {reason: pages}                         over all workers
 //   ttft       {hit: {count, sum, buckets}, miss: {count, sum, buckets}}
 //   quarantined [{holder, reporter, since, evidence}]   members in quarantine
+//   tiers      [{tier, hit_tokens, hit_rate, pages, capacity, evictions: {reason: pages},
+//                workers, accepting, bytes_written, bytes_read, demotions, errors,
+//                dropped: {reason: records}}]  top down; hit_rate is the share of all
+//                prompt tokens; figures no worker reported for a tier are null
 //
 // Figures per interval come from consecutive history points a, b: rates are
 // (b.x - a.x) / (b.t - a.t). A counter that went down was reset (a restarted worker), so
@@ -88,6 +92,9 @@
     const quarantined = data.quarantined || [];
     document.getElementById("quarantine-card").hidden = quarantined.length === 0;
     fillTable("quarantine", quarantined, "holder", quarantineCells);
+    const tiers = data.tiers || []; // none from a service before tiers
+    document.getElementById("tiers-card").hidden = tiers.length === 0;
+    fillTable("tiers", tiers, "tier", tierCells);
     if (!window.Plotly) {
       throw new Error("plotly.js did not load (static/plotly.min.js): the charts are missing");
     }
@@ -322,6 +329,22 @@
     ];
   }
 
+  function tierCells(row) {
+    return [
+      ["pages", integer(row.pages)],
+      ["capacity", integer(row.capacity)],
+      ["hit-tokens", integer(row.hit_tokens)],
+      ["hit-share", percent(row.hit_rate)],
+      ["written", byteCount(row.bytes_written)],
+      ["read", byteCount(row.bytes_read)],
+      ["demotions", integer(row.demotions)],
+      ["evictions", integer(total(row.evictions))],
+      ["accepting", row.workers > 0 ? `${row.accepting} of ${row.workers}` : NO_DATA],
+      ["dropped", integer(total(row.dropped))],
+      ["errors", integer(row.errors)],
+    ];
+  }
+
   function quarantineCells(row) {
     return [
       ["reporter", String(row.reporter)],
@@ -338,6 +361,24 @@
 
   function integer(value) {
     return Number.isFinite(value) ? Math.round(value).toFixed(0) : NO_DATA;
+  }
+
+  // Bytes in binary units, one decimal from KiB up ("512 B", "1.5 MiB").
+  function byteCount(value) {
+    if (!Number.isFinite(value)) return NO_DATA;
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let scaled = value;
+    let unit = 0;
+    while (scaled >= 1024 && unit < units.length - 1) {
+      scaled /= 1024;
+      unit += 1;
+    }
+    return unit === 0 ? `${scaled.toFixed(0)} B` : `${scaled.toFixed(1)} ${units[unit]}`;
+  }
+
+  // The sum of a map's counts; null (nothing reported) stays null.
+  function total(counts) {
+    return counts ? Object.values(counts).reduce((sum, n) => sum + n, 0) : null;
   }
 
   function percent(rate) {

@@ -1,16 +1,18 @@
 """The global prefix index: which full pages of which prompts are cached on which worker.
 
 The service holds metadata only, never KV bytes. Workers stream `PagesStored` /
-`PagesRemoved` / `AllCleared` events (see `cache_service.events`); the index turns them
-into one page-granular trie per `Namespace` and answers, for a prompt, the longest prefix
-of full pages that some live worker holds, as one span per holder:
+`PagesRemoved` / `PagesDemoted` / `AllCleared` events (see `cache_service.events`); the
+index turns them into one page-granular trie per `Namespace` and answers, for a prompt, the
+longest prefix of full pages that some live worker holds, as one span per holder, with
+the tier of each page (w2's page 8 went down to its disk as page 1008):
 
     prompt tokens    |<- page 0 ->|<- page 1 ->|<- page 2 ->|<- page 3 ->|<-partial->|
-    w2 holds         |  page 3    |  page 4    |  page 8    |            |
+    w2 holds         |  page 3    |  page 4    | page 1008  |            |
     w1 holds         |  page 10   |  page 11   |            |            |
     match            |<------------ matched_tokens -------->|
     requester w1     |<-- local hit ---------->|<- remote ->|<-- miss -->|<- lost -->|
-    spans            HolderSpan("w2", tier, (3, 4, 8), gens), HolderSpan("w1", tier, (10, 11), gens)
+    spans            HolderSpan("w2", "host", (3, 4, 1008), gens, bytes((1, 1, 2))),
+                     HolderSpan("w1", "host", (10, 11), gens)
 
 The package, along the index's seams (`GlobalIndex` is the thin facade over them):
 
@@ -18,10 +20,11 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 - `key_table`: key -> node ids, open addressing in numpy arrays;
 - `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access);
 - `walk`: the match walk, by runs of consecutive node ids;
-- `holders`: who holds each node, in four inline columns and a side dict;
-- `chains`: storing and dropping workers' chains of pages;
+- `holders`: who holds each node (page id, generation, tier), in four inline columns and
+  a side dict;
+- `chains`: storing, demoting and dropping workers' chains of pages;
 - `batches`: the order of each worker's event batches, and when it must resync;
-- `registry`: workers, slots, tiers, liveness, reverse page maps, peer entries;
+- `registry`: workers, slots, liveness, reverse page maps, pages per tier, peer entries;
 - `tallies`: hit statistics per tenant and per requester;
 - `stats`: the index's sizes and counts as one plain dict;
 - `integrity`: every invariant, checked in full;

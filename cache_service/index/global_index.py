@@ -8,6 +8,7 @@ other thread is refused, and nothing in here locks.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -129,7 +130,8 @@ class GlobalIndex(ThreadOwned):
         Args:
             worker_id: the worker's name, unique in the cluster.
             node_id: the cluster node the worker runs on.
-            tier: the memory tier its pages live in (reported on its spans).
+            tier: its kind of memory, e.g. "cpu" (shown in its entry and info only: spans
+                carry each page's tier, from the events).
             now: the current time in seconds (default: time.monotonic()).
             peer: how peers read its pages (page server, shared-memory store, key); it
                 replaces the entry of any earlier incarnation (see `peer`).
@@ -139,8 +141,8 @@ class GlobalIndex(ThreadOwned):
             A Registration with the new epoch; the next event batch carries seq 1.
 
         Raises:
-            ValueError: 256 other tiers in use, `peer`'s key is not None nor a z85 key, or
-                `capacity` is negative or over max_capacity; nothing changed then.
+            ValueError: `peer`'s key is not None nor a z85 key, or `capacity` is negative or
+                over max_capacity; nothing changed then.
             RegistryFull: max_workers registered, each holding pages.
         """
         self._own()
@@ -148,11 +150,9 @@ class GlobalIndex(ThreadOwned):
         peer = checked_peer(peer)
         capacity = self._registry.capacity(worker_id, capacity)
         worker = self._registry.get(worker_id)
-        tier_code = self._registry.acquire_tier(tier)  # may raise: nothing changed yet
         if worker is None and self._registry.full():
             victim = self._registry.evictable()
             if victim is None:
-                self._registry.release_tier(tier_code)
                 raise RegistryFull(
                     f"cannot register {worker_id!r}: {self._registry.max_workers} workers "
                     "registered, each holding pages"
@@ -161,12 +161,11 @@ class GlobalIndex(ThreadOwned):
         self._last_epoch += 1
         dropped = 0
         if worker is None:
-            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier_code, peer)
+            worker = self._registry.add(worker_id, self._last_epoch, node_id, tier, peer)
         else:
             dropped = self._chains.drop_all(worker)
-            self._registry.release_tier(worker.tier)
             worker.epoch, worker.last_seq, worker.desynced = self._last_epoch, 0, False
-        worker.node_id, worker.tier, worker.last_seen = node_id, tier_code, now
+        worker.node_id, worker.tier, worker.last_seen = node_id, tier, now
         worker.peer, worker.capacity = peer, capacity
         return Registration(worker_id, worker.epoch, 0, dropped)
 
@@ -265,21 +264,23 @@ class GlobalIndex(ThreadOwned):
         + 1). A batch equal to or older than the last applied is ignored; a gap, an unknown
         worker or epoch, or an event that cannot be placed asks for a resync, and further
         batches are refused until it comes. Each event is idempotent on its own: storing a
-        page already held (same node, same page id) only refreshes its generation, and
-        removing an unknown page does nothing.
+        page already held (same node, same page id) only refreshes its generation and tier,
+        and removing or demoting an unknown page does nothing (it is counted). A worker
+        holds each node once: a demotion, or a stored page on a node it holds in another
+        tier, moves that holding (see `cache_service.index.chains`).
 
         Args:
             worker_id: the sender.
             epoch: its incarnation, as registered.
             seq: the batch's sequence number.
-            events: PagesStored / PagesRemoved / AllCleared, in the order they happened.
+            events: KvEvents (`cache_service.events`), in the order they happened.
 
         Returns:
             An ApplyResult; see its docstring for the reasons.
 
         Raises:
-            ValueError: a malformed event (lengths, token range, page ids, removal reason);
-                nothing is applied then.
+            ValueError: a malformed event (lengths, token range, page ids, removal reason,
+                tier); nothing is applied then.
         """
         self._own()
         worker = self._registry.get(worker_id)
@@ -391,7 +392,7 @@ class GlobalIndex(ThreadOwned):
             holders = self._holders
             holdings = holders.holdings(path)
             requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
-            slots, tiers = self._registry.slots, self._registry.tiers
+            slots = self._registry.slots
             built = []
             for holding in holdings:
                 slot, held, _ = holding
@@ -399,9 +400,9 @@ class GlobalIndex(ThreadOwned):
                     local = held
                 worker = slots[slot]
                 assert worker is not None, f"a holding of dead slot {slot}"
-                built.append(
-                    holders.span(path, holding, worker.worker_id, tiers[worker.tier], packed)
-                )
+                # A worker with all its pages in one tier needs no look at the tier column.
+                span = holders.span(path, holding, worker.worker_id, worker.only_tier, packed)
+                built.append(span)
             if len(built) > 1:
                 built.sort(key=span_order)  # packed lengths are 4x, in the same order
                 spans = tuple(built[: self.max_spans])
@@ -433,9 +434,8 @@ class GlobalIndex(ThreadOwned):
             tokens: the prompt, as little-endian int32 bytes or a sequence of ints.
             loads: worker id -> prompt tokens the caller has in flight there (>= 0);
                 unregistered ids are ignored.
-            pending: worker id -> tokens of this prompt it computes for a request in
-                flight (not in the index yet).
-            reported: worker id -> its load and costs from its latest heartbeat.
+            pending: worker id -> tokens of this prompt it computes for a request in flight.
+            reported: worker id -> its load and costs (its disk's reads too), as reported.
             policy: a name of `cache_service.routing.POLICIES`.
 
         Returns:
@@ -456,14 +456,15 @@ class GlobalIndex(ThreadOwned):
         candidates = candidates_of(loads, nodes, reported)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
-        holdings = []  # a policy that reads no holdings spares the walk
+        holdings, host_pages = [], None  # a policy that reads no holdings spares the walk
         if chooser.uses_holdings:
             path = walk(self._nodes, self._nodes.roots.get(namespace), data)
             holdings = self._holders.holdings(path) if path.length else []
-        held, holder_nodes = self._registry.by_worker(holdings, self.page_tokens)
+            host_pages = functools.partial(self._holders.host_pages, path)
+        held, at, host = self._registry.by_worker(holdings, self.page_tokens, host_pages)
         pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
-        inputs = RouteInputs(candidates, len(data) // 4, held, holder_nodes, pending)
-        return chooser.choose(inputs._replace(load_weight=self.load_weight))
+        inputs = RouteInputs(candidates, len(data) // 4, held, at, pending, self.load_weight, host)
+        return chooser.choose(inputs)
 
     # ---- statistics and checks -----------------------------------------------------------
 
@@ -477,14 +478,13 @@ class GlobalIndex(ThreadOwned):
         """Hit statistics and sizes as a plain dict (msgpack-friendly).
 
         Returns:
-            "page_tokens", "pages", "holdings", "workers_live", "tiers", "cluster",
-            "tenants", "workers", "events" and "removed_workers", as drawn in
-            `cache_service.index.stats`.
+            "page_tokens", "pages", "holdings", "workers_live", "tiers", "removals",
+            "demotions", "cluster", "tenants", "workers", "events" and "removed_workers",
+            as drawn in `cache_service.index.stats`.
         """
         self._own()
-        return index_stats(
-            self.page_tokens, self._nodes, self._registry, self._tallies, self._batches.counts
-        )
+        parts = self._nodes, self._registry, self._tallies, self._batches.counts, self._chains
+        return index_stats(self.page_tokens, *parts)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""

@@ -1,6 +1,8 @@
 """Who holds each node: four inline holder columns per node and a side dict for more.
 
-A holding is (worker slot, the worker's page id, the page's generation). A worker keeps
+A holding is (worker slot, the worker's page id, the page's generation, the page's tier:
+its index into `events.TIERS`). A worker holds a node once, in whichever tier it named
+last (see `chains`). A worker keeps
 one column along its whole path: the column of a page's holding is the column of its
 parent's holding, and only a first page picks a free column. Two workers never compete for
 a column (the one already there would hold the parent in that column too), so along a
@@ -16,15 +18,17 @@ import sys
 
 import numpy as np
 
+from cache_service.events import TIERS
 from cache_service.index.nodes import NONE, grown
 from cache_service.index.walk import Path
 from cache_service.messages import HolderSpan, PackedSpan
 
 # Inline holder columns per node. Four covers a page shared by a handful of workers
-# without touching the side dict; each column costs 14 bytes a node.
+# without touching the side dict; each column costs 15 bytes a node.
 INLINE_HOLDERS = 4
 EXTRA = INLINE_HOLDERS  # the "column" of a holding kept in the side dict
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_DISK_CODE = bytes((TIERS.index("disk"),))  # a page's code in a span's tiers
 _new_tuple = tuple.__new__
 
 
@@ -37,8 +41,9 @@ class Holders:
         self.slot_arr = np.zeros((0, INLINE_HOLDERS), np.int16)  # NONE: empty
         self.page_arr = np.zeros((0, INLINE_HOLDERS), np.int32)
         self.generation_arr = np.zeros((0, INLINE_HOLDERS), np.int64)
-        # Holders beyond the inline columns: node -> [(slot, page, generation)].
-        self.extra: dict[int, list[tuple[int, int, int]]] = {}
+        self.tier_arr = np.zeros((0, INLINE_HOLDERS), np.uint8)  # an index into TIERS
+        # Holders beyond the inline columns: node -> [(slot, page, generation, tier)].
+        self.extra: dict[int, list[tuple[int, int, int, int]]] = {}
 
     def grow(self, capacity: int) -> None:
         """Extend the columns to `capacity` nodes and rebind the views."""
@@ -46,14 +51,17 @@ class Holders:
         self.slot_arr = grown(self.slot_arr, capacity, NONE)
         self.page_arr = grown(self.page_arr, capacity, 0)
         self.generation_arr = grown(self.generation_arr, capacity, 0)
+        self.tier_arr = grown(self.tier_arr, capacity, 0)
         self.count = memoryview(self.count_arr)
         # One strided view (and memoryview) per holder column.
         self.slot_cols = list(self.slot_arr.T)
         self.page_cols = list(self.page_arr.T)
         self.generation_cols = list(self.generation_arr.T)
+        self.tier_cols = list(self.tier_arr.T)
         self.slot = [memoryview(column) for column in self.slot_cols]
         self.page = [memoryview(column) for column in self.page_cols]
         self.generation = [memoryview(column) for column in self.generation_cols]
+        self.tier = [memoryview(column) for column in self.tier_cols]
 
     def column_of(self, node: int, slot: int) -> int | None:
         """The column of the worker's holding on `node` (EXTRA: the side dict); None: none."""
@@ -62,31 +70,40 @@ class Holders:
         for column, slots in enumerate(self.slot):
             if slots[node] == slot:
                 return column
-        for held_by, _, _ in self.extra.get(node, ()):
+        for held_by, _, _, _ in self.extra.get(node, ()):
             if held_by == slot:
                 return EXTRA
         return None
 
-    def held_page(self, node: int, slot: int) -> int | None:
-        """The worker's page id for `node`; None when it does not hold it."""
+    def holding(self, node: int, slot: int) -> tuple[int, int, int] | None:
+        """The worker's (page id, generation, tier) for `node`; None when it does not hold it."""
         column = self.column_of(node, slot)
-        if column is None or column < EXTRA:
-            return None if column is None else self.page[column][node]
-        return next(page for held_by, page, _ in self.extra[node] if held_by == slot)
+        if column is None:
+            return None
+        if column < EXTRA:
+            return self.page[column][node], self.generation[column][node], self.tier[column][node]
+        return next(holder[1:] for holder in self.extra[node] if holder[0] == slot)
 
     def add(
-        self, node: int, slot: int, page: int, generation: int, parent_column: int | None
-    ) -> tuple[int, int | None]:
-        """Record that the worker in `slot` holds `node` as `page`.
+        self,
+        node: int,
+        slot: int,
+        page: int,
+        generation: int,
+        tier: int,
+        parent_column: int | None,
+    ) -> tuple[int, tuple[int, int] | None]:
+        """Record that the worker in `slot` holds `node` as `page` in `tier`.
 
         `parent_column` is the worker's column on the node's parent (None for a first
-        page): its column here too, and free here (see the module docstring).
+        page, or for a node it holds already): its column here too, and free here (see the
+        module docstring).
 
         Returns:
-            (the column it holds the node in, the page id it held the node as before, if
-            that was another one).
+            (the column it holds the node in, (the page id, tier) it held the node as
+            before, or None when it did not hold it).
         """
-        old_page = None
+        previous = None
         column = self.column_of(node, slot)
         assert column is None or parent_column in (None, column), f"{column} != {parent_column}"
         if column is None:
@@ -97,37 +114,38 @@ class Holders:
                     (c for c, slots in enumerate(self.slot) if slots[node] == NONE), EXTRA
                 )
         elif column < EXTRA:
-            old_page = self.page[column][node]
+            previous = self.page[column][node], self.tier[column][node]
         if column < EXTRA:
             assert self.slot[column][node] in (NONE, slot), f"column {column} taken"
             self.slot[column][node] = slot
             self.page[column][node] = page
             self.generation[column][node] = generation
+            self.tier[column][node] = tier
         else:
             extra = self.extra.setdefault(node, [])
-            for i, (held_by, held, _) in enumerate(extra):
+            for i, (held_by, held, _, held_tier) in enumerate(extra):
                 if held_by == slot:
-                    old_page = held
-                    extra[i] = (slot, page, generation)
+                    previous = held, held_tier
+                    extra[i] = (slot, page, generation, tier)
                     break
             else:
-                extra.append((slot, page, generation))
-        return column, (old_page if old_page != page else None)
+                extra.append((slot, page, generation, tier))
+        return column, previous
 
-    def remove(self, node: int, slot: int) -> int:
-        """Take the worker's holding off a node; its page id."""
+    def remove(self, node: int, slot: int) -> tuple[int, int]:
+        """Take the worker's holding off a node; its (page id, tier)."""
         column = self.column_of(node, slot)
         assert column is not None, f"slot {slot} holds nothing on node {node}"
         self.count[node] -= 1
         if column < EXTRA:
             self.slot[column][node] = NONE
-            return self.page[column][node]
+            return self.page[column][node], self.tier[column][node]
         extra = self.extra[node]
         i = next(i for i, holder in enumerate(extra) if holder[0] == slot)
-        page = extra.pop(i)[1]
+        _, page, _, tier = extra.pop(i)
         if not extra:
             del self.extra[node]
-        return page
+        return page, tier
 
     def holdings(self, path: Path) -> list[tuple[int, int, int]]:
         """(slot, pages held, column) of every holder of the first node of a path.
@@ -151,7 +169,7 @@ class Holders:
             else:
                 held = int(np.count_nonzero(self.slot_cols[column][nodes] == slot))
             holdings.append((slot, held, column))
-        for slot, _, _ in self.extra.get(first, ()):
+        for slot, _, _, _ in self.extra.get(first, ()):
             held = 1
             while held < length and self.column_of(path.node(held), slot) == EXTRA:
                 held += 1
@@ -163,10 +181,20 @@ class Holders:
         path: Path,
         holding: tuple[int, int, int],
         worker_id: str,
-        tier: str,
+        tier: int | None,
         packed: bool,
     ) -> HolderSpan | PackedSpan:
-        """The span of one holding of `path`, as ints (HolderSpan) or wire bytes (PackedSpan)."""
+        """The span of one holding of `path`, as ints (HolderSpan) or wire bytes (PackedSpan).
+
+        `tier` is the tier of every page the worker holds, when they are all in one (then
+        the span's pages are too, and its tiers stay empty without a look); None when they
+        are not: then the span's tiers are read from the tier column.
+        """
+        if tier is not None:
+            name = TIERS[tier]
+            tiers = b""
+        else:
+            name, tiers = self._span_tiers(path, holding)
         slot, held, column = holding
         _, runs, nodes = path
         if column < EXTRA:
@@ -184,7 +212,7 @@ class Holders:
                     page_ids, generations = page_parts[0], generation_parts[0]
                 else:
                     page_ids, generations = b"".join(page_parts), b"".join(generation_parts)
-                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
+                return _new_tuple(PackedSpan, (worker_id, name, page_ids, generations, tiers))
             if nodes is None:  # runs of node ids: a slice of each column per run
                 parts = _run_slices(runs, held)
                 page_parts = [pages[part] for part in parts]
@@ -195,7 +223,7 @@ class Holders:
             if packed:
                 page_ids = b"".join([_wire_bytes(part, "<i4") for part in page_parts])
                 generations = b"".join([_wire_bytes(part, "<i8") for part in generation_parts])
-                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
+                return _new_tuple(PackedSpan, (worker_id, name, page_ids, generations, tiers))
             page_ids = tuple(page for part in page_parts for page in part.tolist())
             generations = tuple(g for part in generation_parts for g in part.tolist())
         else:
@@ -208,8 +236,39 @@ class Holders:
             if packed:
                 page_ids = struct.pack(f"<{held}i", *page_ids)
                 generations = struct.pack(f"<{held}q", *generations)
-                return _new_tuple(PackedSpan, (worker_id, tier, page_ids, generations))
-        return _new_tuple(HolderSpan, (worker_id, tier, page_ids, generations))
+                return _new_tuple(PackedSpan, (worker_id, name, page_ids, generations, tiers))
+        return _new_tuple(HolderSpan, (worker_id, name, page_ids, generations, tiers))
+
+    def host_pages(self, path: Path, holding: tuple[int, int, int], tier: int | None) -> int:
+        """The pages of a holding's span before its first page on disk (all of them when
+        none is); `tier` as for `span`."""
+        held = holding[1]
+        if tier is not None:
+            return 0 if TIERS[tier] == "disk" else held
+        name, tiers = self._span_tiers(path, holding)
+        if not tiers:
+            return 0 if name == "disk" else held
+        at = tiers.find(_DISK_CODE)
+        return held if at < 0 else at
+
+    def _span_tiers(self, path: Path, holding: tuple[int, int, int]) -> tuple[str, bytes]:
+        """The tier of the first page of a holding's span, and the tiers of all its pages
+        (one index into TIERS each; empty when they are all that first one's)."""
+        slot, held, column = holding
+        _, runs, nodes = path
+        if column < EXTRA:
+            codes = self.tier_cols[column]
+            if nodes is None:
+                tiers = b"".join([codes[part].tobytes() for part in _run_slices(runs, held)])
+            else:
+                tiers = codes[nodes[:held]].tobytes()
+        else:
+            tiers = bytes(
+                next(holder for holder in self.extra[path.node(i)] if holder[0] == slot)[3]
+                for i in range(held)
+            )
+        first = tiers[:1]
+        return TIERS[tiers[0]], (b"" if tiers.count(first) == held else tiers)
 
 
 def span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:

@@ -6,14 +6,16 @@
 - every page node is in the key table once, under its key, and its key and depth follow
   from its parent's and its own tokens;
 - holder counts match the inline columns and the side dict; no node survives without a
-  holder; no dead slot holds anything; each worker's holdings are prefix-closed and
-  column-consistent; the workers' reverse page maps list exactly their holdings.
+  holder; no dead slot holds anything; every holding's tier is one of TIERS; each worker's
+  holdings are prefix-closed and column-consistent; the workers' reverse page maps list
+  exactly their holdings, and their pages per tier count them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from cache_service.events import TIERS
 from cache_service.index.holders import EXTRA, INLINE_HOLDERS, Holders
 from cache_service.index.nodes import NONE, Nodes
 from cache_service.index.registry import Registry
@@ -119,6 +121,8 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
         ), "a worker holds a node in two columns"
     live = np.array([worker is not None for worker in registry.slots] + [False], bool)
     assert live[slots[slots != NONE]].all(), "a node is held by a dead slot"
+    tiers = holders.tier_arr[pages].T
+    assert (tiers[slots != NONE] < len(TIERS)).all(), "a holding in no tier of TIERS"
     # Prefix closure and column consistency: a holder of a page below a first page holds
     # the parent in the same column.
     parents = nodes.parent_arr[pages]
@@ -129,6 +133,7 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
     for node, held in holders.extra.items():
         held_by = [holder[0] for holder in held]
         assert len(set(held_by)) == len(held_by), f"node {node}: a worker holds it twice"
+        assert all(0 <= holder[3] < len(TIERS) for holder in held), f"node {node}: a bad tier"
         for slot in held_by:
             assert registry.slots[slot] is not None, f"node {node} held by dead slot {slot}"
             assert slot not in slots[:, np.searchsorted(pages, node)], (
@@ -142,10 +147,17 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
 
 
 def _check_reverse_maps(holders: Holders, registry: Registry) -> None:
-    """Every page of a worker's page map is a holding of that worker, under that page."""
+    """Every page of a worker's page map is a holding of that worker, under that page; its
+    pages per tier count its holdings in each tier."""
     for worker in registry.workers.values():
+        tier_pages = [0] * len(TIERS)
         for page, node in worker.pages.items():
-            assert holders.held_page(node, worker.slot) == page, (
+            holding = holders.holding(node, worker.slot)
+            assert holding is not None and holding[0] == page, (
                 f"{worker.worker_id} page {page}: reverse map says node {node}, which "
-                f"holds {holders.held_page(node, worker.slot)}"
+                f"holds {holding}"
             )
+            tier_pages[holding[2]] += 1
+        assert tier_pages == worker.tier_pages, (
+            f"{worker.worker_id} holds {tier_pages} pages per tier, counted {worker.tier_pages}"
+        )

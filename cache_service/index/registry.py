@@ -1,5 +1,5 @@
-"""The workers the index knows: registrations, slots, tiers, liveness, reverse page maps,
-and the entries peers reach them by.
+"""The workers the index knows: registrations, slots, liveness, reverse page maps, pages
+per tier, and the entries peers reach them by.
 
 Each live worker has a slot, its number in the holder columns (int16; a removed worker's
 slot is reused), and a page map from its own page ids to the nodes it holds them as, so
@@ -7,20 +7,22 @@ its events name pages by the ids of its page store. Its peer entry (page server 
 shared-memory store name, page server key) is what its current incarnation sent at
 register: replaced when it registers again, gone with its registration. Everything here
 is bounded: at most `max_workers` registrations, one entry each (its strings bounded by
-the codec), and tier names are forgotten with their last worker.
+the codec). The tier a worker registers is a word for its entry and nothing more: each of
+its pages has a tier of its own (the holder columns), and the worker counts its pages per
+tier, so a match knows without a look when all of them are in one.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+from cache_service.events import TIERS
 from cache_service.index.nodes import NONE
 from cache_service.messages import PeerEntry
 
 MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
-MAX_TIERS = 256  # tier names in use at once
 # Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
 # is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
 _DENSE_PAGE_LIMIT = 1 << 22
@@ -129,6 +131,8 @@ class Worker:
         "last_seq",
         "desynced",
         "pages",
+        "tier_pages",
+        "only_tier",
         "peer",
         "capacity",
     )
@@ -139,7 +143,7 @@ class Worker:
         slot: int,
         epoch: int,
         node_id: str,
-        tier: int,
+        tier: str,
         peer: PeerAddress = NO_PEER_ADDRESS,
         capacity: int = DEFAULT_CAPACITY,
     ):
@@ -147,11 +151,15 @@ class Worker:
         self.slot = slot  # the worker's number in the holder columns
         self.epoch = epoch
         self.node_id = node_id
-        self.tier = tier  # tier code of the pages it stores
+        self.tier = tier  # as it registered: shown in its entry, never used for spans
         self.last_seen = 0.0
         self.last_seq = 0
         self.desynced = False  # an event batch failed: refuse batches until a resync
         self.pages = PageMap()
+        self.tier_pages = [0] * len(TIERS)  # pages it holds in each tier, by tier index
+        # The tier (index) of every page it holds when they are all in one, else None: what
+        # a match reads to skip the tier column (kept by `chains`, see `single_tier`).
+        self.only_tier: int | None = None
         self.peer = peer  # how peers read its pages, as this incarnation registered
         self.capacity = capacity  # the most pages it may hold at once
 
@@ -164,13 +172,20 @@ class Worker:
             return True
         return sum(pages.get(page) is None for page in page_ids) <= room
 
+    def single_tier(self) -> int | None:
+        """The tier (index) of every page it holds when they are all in one; None when they
+        are in several (or it holds none). Counted afresh: `only_tier` keeps it."""
+        size = self.pages.size
+        tier_pages = self.tier_pages
+        return tier_pages.index(size) if size and size in tier_pages else None
+
 
 class RegistryFull(ValueError):
     """No room for another worker: every registration holds pages."""
 
 
 class Registry:
-    """Workers by id and by slot, tier names by code, and the removal counts.
+    """Workers by id and by slot, and the removal counts.
 
     Args:
         max_workers: registrations at once (at most MAX_SLOTS).
@@ -187,9 +202,6 @@ class Registry:
         self.workers: dict[str, Worker] = {}
         self.slots: list[Worker | None] = []
         self._free_slots: list[int] = []
-        self.tiers: list[str | None] = []  # by code; None: a free code
-        self._tier_codes: dict[str, int] = {}
-        self._tier_users: list[int] = []
         self.removed: dict[str, int] = {}  # reason -> workers removed for it
 
     def capacity(self, worker_id: str, capacity: int) -> int:
@@ -209,35 +221,6 @@ class Registry:
     def get(self, worker_id: str | None) -> Worker | None:
         return None if worker_id is None else self.workers.get(worker_id)
 
-    def acquire_tier(self, tier: str) -> int:
-        """The code of `tier` for one more worker (made on first use).
-
-        Raises:
-            ValueError: MAX_TIERS other tiers are in use.
-        """
-        code = self._tier_codes.get(tier)
-        if code is None:
-            if len(self._tier_codes) == MAX_TIERS:
-                raise ValueError(f"{MAX_TIERS} tiers in use: cannot add {tier!r}")
-            code = next((c for c, name in enumerate(self.tiers) if name is None), len(self.tiers))
-            if code == len(self.tiers):
-                self.tiers.append(tier)
-                self._tier_users.append(0)
-            self.tiers[code] = tier
-            self._tier_codes[tier] = code
-        self._tier_users[code] += 1
-        return code
-
-    def release_tier(self, code: int) -> None:
-        """One worker less in tier `code`; the name is forgotten with its last worker."""
-        self._tier_users[code] -= 1
-        if self._tier_users[code] == 0:
-            del self._tier_codes[self.tiers[code]]
-            self.tiers[code] = None
-
-    def tiers_in_use(self) -> list[str]:
-        return sorted(self._tier_codes)
-
     def full(self) -> bool:
         return len(self.workers) >= self.max_workers
 
@@ -252,7 +235,7 @@ class Registry:
         worker_id: str,
         epoch: int,
         node_id: str,
-        tier: int,
+        tier: str,
         peer: PeerAddress = NO_PEER_ADDRESS,
     ) -> Worker:
         """A new worker in a free slot (the caller made room: see `full`)."""
@@ -272,7 +255,6 @@ class Registry:
         if worker is not None:
             self.slots[worker.slot] = None
             self._free_slots.append(worker.slot)
-            self.release_tier(worker.tier)
             self.removed[reason] = self.removed.get(reason, 0) + 1
         return worker
 
@@ -289,7 +271,7 @@ class Registry:
             worker.worker_id,
             worker.epoch,
             worker.node_id,
-            self.tiers[worker.tier],
+            worker.tier,
             worker.last_seen,
             worker.last_seq,
             worker.pages.size,
@@ -299,9 +281,7 @@ class Registry:
 
     def entry(self, worker: Worker) -> PeerEntry:
         """How peers reach `worker`'s pages: its current registration."""
-        return PeerEntry(
-            worker.worker_id, worker.epoch, worker.node_id, self.tiers[worker.tier], *worker.peer
-        )
+        return PeerEntry(worker.worker_id, worker.epoch, worker.node_id, worker.tier, *worker.peer)
 
     def entries(self, after: str, limit: int) -> tuple[list[PeerEntry], bool]:
         """Up to `limit` entries of the workers whose ids sort after `after`, in id order,
@@ -311,24 +291,40 @@ class Registry:
         return page, len(ids) > limit
 
     def by_worker(
-        self, holdings: Iterable[tuple[int, int, Any]], page_tokens: int
-    ) -> tuple[dict[str, int], dict[str, str]]:
+        self,
+        holdings: Iterable[tuple[int, int, Any]],
+        page_tokens: int,
+        host_pages: Callable[[tuple[int, int, Any], int | None], int] | None = None,
+    ) -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
         """(slot, pages, _) holdings of a prompt as (worker id -> tokens held, worker id ->
-        node): what routing weighs."""
-        held, nodes = {}, {}
-        for slot, pages, _ in holdings:
+        node, worker id -> tokens held before its first page on disk, for the holders with
+        any): what routing weighs. `host_pages(holding, only_tier)` counts a holding's
+        pages before its first on disk (None: every holding is in host memory)."""
+        held, nodes, held_host = {}, {}, {}
+        for holding in holdings:
+            slot, pages, _ = holding
             worker = self.slots[slot]
             held[worker.worker_id] = pages * page_tokens
             nodes[worker.worker_id] = worker.node_id
-        return held, nodes
+            host = pages if host_pages is None else host_pages(holding, worker.only_tier)
+            if host < pages:
+                held_host[worker.worker_id] = host * page_tokens
+        return held, nodes, held_host
 
     def holdings(self) -> int:
         """Pages held, summed over the live workers."""
         return sum(worker.pages.size for worker in self.workers.values())
 
+    def tier_holdings(self) -> list[int]:
+        """Pages held in each tier (by tier index), summed over the live workers."""
+        totals = [0] * len(TIERS)
+        for worker in self.workers.values():
+            totals = [total + pages for total, pages in zip(totals, worker.tier_pages, strict=True)]
+        return totals
+
     def check(self) -> None:
-        """Slots, tier codes and their user counts agree with the workers; each worker's
-        peer entry is whole and names it."""
+        """Slots agree with the workers; each worker's pages per tier add up to its pages;
+        each worker's peer entry is whole and names it."""
         for worker_id, worker in self.workers.items():
             assert self.slots[worker.slot] is worker, f"{worker_id} is not in its slot"
             assert worker.worker_id == worker_id, f"{worker_id} is filed as {worker.worker_id}"
@@ -336,17 +332,19 @@ class Registry:
             assert worker.pages.size <= worker.capacity, (
                 f"{worker_id} holds {worker.pages.size} pages, over its capacity {worker.capacity}"
             )
+            assert len(worker.tier_pages) == len(TIERS) and min(worker.tier_pages) >= 0, (
+                f"{worker_id} holds {worker.tier_pages} pages per tier"
+            )
+            assert sum(worker.tier_pages) == worker.pages.size, (
+                f"{worker_id} holds {worker.pages.size} pages, {worker.tier_pages} per tier"
+            )
+            # An empty worker may keep the tier it had: it is read only for a holder.
+            assert worker.only_tier == worker.single_tier() or not worker.pages.size, (
+                f"{worker_id} holds {worker.tier_pages} pages per tier, only_tier "
+                f"{worker.only_tier}"
+            )
         live = sum(worker is not None for worker in self.slots)
         assert live == len(self.workers), f"{live} slots taken for {len(self.workers)} workers"
-        users = [0] * len(self.tiers)
-        for worker in self.workers.values():
-            users[worker.tier] += 1
-        assert users == self._tier_users, f"tier users {self._tier_users}, counted {users}"
-        named = {name: code for code, name in enumerate(self.tiers) if name is not None}
-        assert named == self._tier_codes, f"tier codes {self._tier_codes} != {named}"
-        assert all(
-            (n > 0) == (name is not None) for n, name in zip(users, self.tiers, strict=True)
-        ), "a tier name outlived its last worker"
 
 
 def checked_peer(peer: PeerAddress) -> PeerAddress:

@@ -1,10 +1,18 @@
 """The index's statistics: its sizes and counts as one plain dict (msgpack-friendly).
 
-    {"page_tokens", "pages", "holdings", "workers_live", "tiers": names in use,
+    {"page_tokens", "pages", "holdings", "workers_live",
+     "tiers": {tier: holdings in it, for every name of events.TIERS},
+     "removals": {tier: {reason: pages removed}}, "demotions": {tier: pages moved into it},
      "cluster": counters, "tenants": {name: counters},
      "workers": {worker id: counters + "pages" held + "live" (+ "node" if live)},
-     "events": {"batches", "duplicates", "resyncs_requested", "resyncs"},
+     "events": {"batches", "duplicates", "resyncs_requested", "resyncs", "over_capacity",
+                "unknown_pages"},
      "removed_workers": {reason: count}}
+
+"removals" counts the holdings that removal events (PagesRemoved, AllCleared as
+"cleared") dropped, under the tier each was in; "demotions" the holdings PagesDemoted
+moved; "unknown_pages" the page ids those events named that the worker did not hold.
+Removals and demotions list only tiers (and reasons) that occurred.
 
 where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
 remote_hit_tokens, miss_tokens, alignment_lost_tokens (see `tallies`). Every value is
@@ -16,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cache_service.events import TIERS
+from cache_service.index.chains import Chains
 from cache_service.index.nodes import Nodes
 from cache_service.index.registry import Registry
 from cache_service.index.tallies import Tallies
@@ -27,6 +37,7 @@ def index_stats(
     registry: Registry,
     tallies: Tallies,
     events: Mapping[str, int],
+    chains: Chains,
 ) -> dict[str, Any]:
     """The statistics of the index made of these parts, laid out as drawn above.
 
@@ -36,18 +47,24 @@ def index_stats(
         registry: the live workers and the removal counts.
         tallies: the hit statistics.
         events: the event batches' outcome counts (`BatchOrder.counts`).
+        chains: the write side, with its counts of what the events did.
     """
     live = registry.workers
     sections = tallies.report({worker_id: w.pages.size for worker_id, w in live.items()})
     for worker_id, worker in live.items():
         sections["workers"][worker_id]["node"] = worker.node_id
+    removals: dict[str, dict[str, int]] = {}
+    for (tier, reason), pages in sorted(chains.removed.items()):
+        removals.setdefault(TIERS[tier], {})[reason] = pages
     return {
         "page_tokens": page_tokens,
         "pages": nodes.num_pages,
         "holdings": registry.holdings(),
         "workers_live": len(live),
-        "tiers": registry.tiers_in_use(),
+        "tiers": dict(zip(TIERS, registry.tier_holdings(), strict=True)),
+        "removals": removals,
+        "demotions": {TIERS[t]: pages for t, pages in enumerate(chains.demoted) if pages},
         **sections,
-        "events": dict(events),
+        "events": {**events, "unknown_pages": chains.unknown_pages},
         "removed_workers": dict(registry.removed),
     }

@@ -44,6 +44,7 @@ from cache_service.protocol.errors import (
 )
 from cache_service.protocol.event_wire import (
     CLEARED_TAG,
+    DEMOTED_TAG,
     REMOVED_TAG,
     STORED_TAG,
     check_stored,
@@ -85,6 +86,7 @@ __all__ = [
     "BYE",
     "CLEARED_TAG",
     "DEFAULT_LIMITS",
+    "DEMOTED_TAG",
     "ERROR",
     "ERROR_BODY",
     "ERROR_CODES",

@@ -331,7 +331,11 @@ def _encode_match_reply(request_id: int, body: MatchResult, limits: Limits) -> b
     for span in spans if type(spans) is tuple else (None,):
         if type(span) is not PackedSpan:
             return _encode(Message(OK, request_id, body, MATCH), limits)
-        wire.append(list(span))
+        worker, tier, page_ids, generations, tiers = span
+        if tiers:
+            wire.append([worker, tier, page_ids, generations, tiers])
+        else:
+            wire.append([worker, tier, page_ids, generations])
     envelope = {
         "v": PROTOCOL_VERSION,
         "t": OK,

@@ -20,9 +20,9 @@ INT64_MAX = 2**63 - 1
 
 # What the message table needs of any Limits (the table checks these at import): the
 # keys of the largest envelope or body (a peer entry's 7), and the depth of the deepest
-# fixed schema (envelope, body, events, one event, its namespace).
+# fixed schema (envelope, body, report, its tiers, one tier, its histogram, the counts).
 SCHEMA_MAP_KEYS = 7
-SCHEMA_DEPTH = 5
+SCHEMA_DEPTH = 7
 
 
 class ProtocolError(ValueError):
@@ -61,8 +61,9 @@ class Limits:
     max_str_len: int = 256
     # Free text (error messages, reasons): room for field names and numbers.
     max_text_len: int = 4096
-    # The deepest fixed schema needs 5 levels (envelope, body, events, one event, its
-    # namespace); the free-form stats map may nest up to this.
+    # The deepest fixed schema needs 7 levels (envelope, body, a heartbeat's report, its
+    # tiers, one tier, its histogram, the counts); the free-form stats map may nest up to
+    # this.
     max_depth: int = 8
     # Lists and maps in one frame, all levels together. Building them is what costs (about
     # 64 bytes and 0.3 us each, for one byte of frame), so this bounds a frame's decoding

@@ -5,9 +5,15 @@ ints, evictions as a map reason -> pages, tenants as [salt, requests, local_hit,
 remote_hit, computed] rows, each histogram as [counts, total] with exactly one count per
 bucket of its bounds (`messages.COPY_BUCKETS`, `messages.TTFT_BUCKETS`) plus +Inf.
 
-Bounded beyond the frame limits: a report names at most MAX_REPORT_TENANTS salts and
-MAX_REPORT_REASONS eviction reasons, since the service keeps the latest report of each
-worker and its metrics carry those as labels.
+Its last field, the tiers, is optional: a report without tiers is sent without it, so it
+reads as a report of a worker from before tiers, and such a report decodes with tiers ().
+Each tier is a row of the TierFigures fields in order (maps as maps, its load histogram on
+`messages.LOAD_BUCKETS`), named by one of `messages.TIERS`, top down, each at most once.
+
+Bounded beyond the frame limits: a report names at most MAX_REPORT_TENANTS salts,
+MAX_REPORT_REASONS eviction reasons, len(TIERS) tiers and MAX_REPORT_REASONS reasons in each
+of a tier's maps, since the service keeps the latest report of each worker and its metrics
+carry those as labels.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from typing import Any
 from cache_service.messages import (
     COPY_BUCKETS,
     HEALTH_FIELDS,
+    LOAD_BUCKETS,
     LOAD_FIELDS,
+    TIERS,
     TTFT_BUCKETS,
     Observed,
     TenantTokens,
+    TierFigures,
     WorkerReport,
 )
 from cache_service.protocol.errors import TOO_LARGE, Limits, ProtocolError
@@ -42,20 +51,33 @@ _SCALARS = (
     *HEALTH_FIELDS,
 )
 _HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
+_FIELDS = len(WorkerReport._fields)  # with the tiers; one fewer without
+_TIER_SCALARS = (
+    "pages",
+    "capacity",
+    "bytes_written",
+    "bytes_read",
+    "demotions",
+    "hit_tokens",
+    "read_ns_per_token",
+    "errors",
+)
 
 
 def check_report(value: Any, path: str, limits: Limits) -> WorkerReport:
     """A decoded report, every count checked; raises ProtocolError naming the field."""
-    if type(value) is not list or len(value) != len(WorkerReport._fields):
-        raise bad(path, f"a report of {len(WorkerReport._fields)} fields", value)
-    raw = dict(zip(WorkerReport._fields, value, strict=True))
+    if type(value) is not list or len(value) not in (_FIELDS - 1, _FIELDS):
+        raise bad(path, f"a report of {_FIELDS - 1} fields, or {_FIELDS} with tiers", value)
+    raw = dict(zip(WorkerReport._fields, value, strict=False))
     out: dict[str, Any] = {}
     for name in _SCALARS:
         out[name] = check_count(raw[name], f"{path}.{name}", limits)
-    out["evictions"] = _check_evictions(raw["evictions"], f"{path}.evictions", limits)
+    out["evictions"] = _check_reasons(raw["evictions"], f"{path}.evictions", limits)
     out["tenants"] = _check_tenants(raw["tenants"], f"{path}.tenants", limits)
     for name, bounds in _HISTOGRAMS.items():
         out[name] = _check_observed(raw[name], f"{path}.{name}", limits, bounds)
+    if "tiers" in raw:
+        out["tiers"] = _check_tiers(raw["tiers"], f"{path}.tiers", limits)
     return WorkerReport(**out)
 
 
@@ -70,15 +92,72 @@ def report_wire(value: Any) -> Any:
         elif name == "tenants":
             wire.append([list(row) for row in item])
         elif name in _HISTOGRAMS:
-            wire.append([list(item.counts), float(item.total)])
+            wire.append(_observed_wire(item))
+        elif name == "tiers":
+            if item:  # none: the report as before tiers
+                wire.append([_tier_wire(tier) for tier in item])
         else:
             wire.append(item)
     return wire
 
 
-def _check_evictions(value: Any, path: str, limits: Limits) -> dict[str, int]:
+def _tier_wire(tier: Any) -> Any:
+    if not isinstance(tier, TierFigures):
+        return tier  # the check refuses it
+    wire: list[Any] = []
+    for name, item in zip(TierFigures._fields, tier, strict=True):
+        if name in ("evictions", "dropped"):
+            wire.append(dict(item))
+        elif name == "load_seconds":
+            wire.append(_observed_wire(item))
+        else:
+            wire.append(item)
+    return wire
+
+
+def _observed_wire(item: Observed) -> list:
+    return [list(item.counts), float(item.total)]
+
+
+def _check_tiers(value: Any, path: str, limits: Limits) -> tuple[TierFigures, ...]:
+    if type(value) is not list:
+        raise bad(path, "a list of tiers", value)
+    if len(value) > len(TIERS):
+        raise ProtocolError(
+            TOO_LARGE, f"{path}: {len(value)} tiers exceeds the limit {len(TIERS)} {TIERS}"
+        )
+    tiers = [_check_tier(row, f"{path}[{i}]", limits) for i, row in enumerate(value)]
+    order = [TIERS.index(tier.tier) for tier in tiers]
+    if order != sorted(set(order)):
+        named = [tier.tier for tier in tiers]
+        raise bad(path, f"tiers top down {TIERS}, each at most once", named)
+    return tuple(tiers)
+
+
+def _check_tier(value: Any, path: str, limits: Limits) -> TierFigures:
+    if type(value) is not list or len(value) != len(TierFigures._fields):
+        raise bad(path, f"a tier of {len(TierFigures._fields)} fields", value)
+    raw = dict(zip(TierFigures._fields, value, strict=True))
+    if type(raw["tier"]) is not str or raw["tier"] not in TIERS:
+        raise bad(f"{path}.tier", f"one of {TIERS}", raw["tier"])
+    out: dict[str, Any] = {"tier": raw["tier"]}
+    for name in _TIER_SCALARS:
+        out[name] = check_count(raw[name], f"{path}.{name}", limits)
+    for name in ("evictions", "dropped"):
+        out[name] = _check_reasons(raw[name], f"{path}.{name}", limits)
+    out["load_seconds"] = _check_observed(
+        raw["load_seconds"], f"{path}.load_seconds", limits, LOAD_BUCKETS
+    )
+    if type(raw["accepting"]) is not int or raw["accepting"] not in (0, 1):
+        raise bad(f"{path}.accepting", "0 or 1", raw["accepting"])
+    out["accepting"] = raw["accepting"]
+    return TierFigures(**out)
+
+
+def _check_reasons(value: Any, path: str, limits: Limits) -> dict[str, int]:
+    """A map reason -> pages (or records), at most MAX_REPORT_REASONS of them."""
     if type(value) is not dict:
-        raise bad(path, "map of reason -> pages", value)
+        raise bad(path, "map of reason -> count", value)
     if len(value) > MAX_REPORT_REASONS:
         raise ProtocolError(
             TOO_LARGE, f"{path}: {len(value)} reasons exceeds the limit {MAX_REPORT_REASONS}"

@@ -28,7 +28,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # 7: ROUTE names the routing policy. 8: reports carry the worker's health. 9: REGISTER
 # carries the worker's capacity (pages its store holds); spot checks and quarantine
 # (ReportHolder, GetQuarantine; the heartbeat's reply carries the quarantine's version).
-PROTOCOL_VERSION = 9
+# 10: pages have tiers: stored and removed events may carry theirs, demotions ("d"), and
+# match spans carry each page's tier where a span mixes tiers.
+PROTOCOL_VERSION = 10
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -117,7 +119,8 @@ EVENT_LIST = Field("events", check_events, events_wire, 3)  # events / event / n
 CHAIN_LIST = Field("chains", check_chains, events_wire, 3)
 SPANS = Field("spans", check_spans, spans_wire, 2)  # spans / span
 STATS_MAP = Field("stats", f.check_stats, None, None)
-REPORT = Field("report", check_report, report_wire, 3)  # report / tenants / a tenant
+# report / tiers / a tier / its load histogram / the histogram's counts
+REPORT = Field("report", check_report, report_wire, 5)
 SHM_NAME = Field("shm name", f.check_shm_name)
 PAGE_KEY = Field("page key", f.check_page_key, f.page_key_wire)
 AFTER = Field("after", f.check_after)

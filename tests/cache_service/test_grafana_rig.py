@@ -39,6 +39,11 @@ COUNTERS = {
     "kvmesh_index_tenant_queried_tokens_total",
     "kvmesh_index_tenant_hit_tokens_total",
     "kvmesh_alignment_lost_tokens_total",
+    "kvmesh_tier_written_bytes_total",
+    "kvmesh_tier_read_bytes_total",
+    "kvmesh_tier_demotions_total",
+    "kvmesh_tier_errors_total",
+    "kvmesh_tier_dropped_records_total",
 }
 GAUGES = {
     "kvmesh_pages",
@@ -47,8 +52,15 @@ GAUGES = {
     "kvmesh_index_pages",
     "kvmesh_num_requests_running",
     "kvmesh_num_requests_waiting",
+    "kvmesh_tier_capacity_pages",
+    "kvmesh_tier_accepting",
 }
-HISTOGRAMS = {"kvmesh_lookup_seconds", "kvmesh_copy_seconds", "kvmesh_ttft_seconds"}
+HISTOGRAMS = {
+    "kvmesh_lookup_seconds",
+    "kvmesh_copy_seconds",
+    "kvmesh_ttft_seconds",
+    "kvmesh_tier_load_seconds",
+}
 FAMILIES = COUNTERS | GAUGES | HISTOGRAMS
 UNITS = {"percentunit", "short", "s", "bytes", "Bps", "reqps"}
 GRID_WIDTH = 24
@@ -255,7 +267,13 @@ def test_a_prometheus_that_never_gets_ready_is_killed_even_if_it_ignores_sigterm
 # -- the rig against a real Prometheus ----------------------------------------------------
 
 LOCAL_HIT, REMOTE_HIT, COMPUTED = 30, 10, 60
+DISK_HIT = 12  # of the local hits
 LOOKUPS = (0.0004, 0.003, 0.2)
+# A tier's share of prompt tokens, as the Grafana panel takes it, without its rate().
+TIER_HIT_RATE = (
+    'sum by (tier) (kvmesh_prompt_tokens_total{source=~"local_hit|remote_hit"}) '
+    "/ ignoring (tier) group_left sum(kvmesh_prompt_tokens_total)"
+)
 
 
 def registry_of_test_series() -> CollectorRegistry:
@@ -264,16 +282,18 @@ def registry_of_test_series() -> CollectorRegistry:
     tokens = Counter(
         "kvmesh_prompt_tokens",
         "prompt tokens by where their KV came from",
-        ["source", "worker", "tenant"],
+        ["source", "tier", "worker", "tenant"],
         registry=registry,
     )
-    tokens.labels("local_hit", "w0", "t0").inc(LOCAL_HIT)
-    tokens.labels("remote_hit", "w0", "t0").inc(REMOTE_HIT)
-    tokens.labels("computed", "w1", "t0").inc(COMPUTED)
-    pages = Gauge("kvmesh_pages", "pages by state", ["state", "worker"], registry=registry)
-    pages.labels("free", "w0").set(12)
-    pages.labels("cached", "w0").set(3)
-    pages.labels("in_use", "w0").set(1)
+    tokens.labels("local_hit", "host", "w0", "t0").inc(LOCAL_HIT - DISK_HIT)
+    tokens.labels("local_hit", "disk", "w0", "t0").inc(DISK_HIT)
+    tokens.labels("remote_hit", "host", "w0", "t0").inc(REMOTE_HIT)
+    tokens.labels("computed", "none", "w1", "t0").inc(COMPUTED)
+    pages = Gauge("kvmesh_pages", "pages by state", ["state", "tier", "worker"], registry=registry)
+    pages.labels("free", "host", "w0").set(12)
+    pages.labels("cached", "host", "w0").set(3)
+    pages.labels("in_use", "host", "w0").set(1)
+    pages.labels("cached", "disk", "w0").set(40)
     Gauge("kvmesh_workers_live", "live workers", registry=registry).set(2)
     lookup = Histogram(
         "kvmesh_lookup_seconds", "lookup latency", buckets=(0.001, 0.01, 0.1), registry=registry
@@ -306,19 +326,22 @@ def test_the_scraped_values_come_back_exactly(prometheus, exporter):
     instance = exporter.removeprefix("http://").removesuffix("/metrics")
     common = {("job", "kvmesh"), ("instance", instance), ("__name__", "kvmesh_prompt_tokens_total")}
 
-    def labels(source, worker):
-        return frozenset(common | {("source", source), ("worker", worker), ("tenant", "t0")})
+    def labels(source, tier, worker):
+        tenant = {("source", source), ("tier", tier), ("worker", worker), ("tenant", "t0")}
+        return frozenset(common | tenant)
 
     assert tokens == {
-        labels("local_hit", "w0"): LOCAL_HIT,
-        labels("remote_hit", "w0"): REMOTE_HIT,
-        labels("computed", "w1"): COMPUTED,
+        labels("local_hit", "host", "w0"): LOCAL_HIT - DISK_HIT,
+        labels("local_hit", "disk", "w0"): DISK_HIT,
+        labels("remote_hit", "host", "w0"): REMOTE_HIT,
+        labels("computed", "none", "w1"): COMPUTED,
     }
     pages = prometheus.values("kvmesh_pages")
-    assert sorted((dict(k)["state"], v) for k, v in pages.items()) == [
-        ("cached", 3),
-        ("free", 12),
-        ("in_use", 1),
+    assert sorted((dict(k)["tier"], dict(k)["state"], v) for k, v in pages.items()) == [
+        ("disk", "cached", 40),
+        ("host", "cached", 3),
+        ("host", "free", 12),
+        ("host", "in_use", 1),
     ]
     assert prometheus.value("kvmesh_lookup_seconds_count") == len(LOOKUPS)
     assert prometheus.value("kvmesh_lookup_seconds_sum") == sum(LOOKUPS)
@@ -336,6 +359,22 @@ def test_the_dashboard_hit_rate_is_the_share_of_cached_tokens(prometheus, dashbo
     expr = dict(grafana_expressions(dashboard))[CLUSTER_HIT_RATE]
     expected = (LOCAL_HIT + REMOTE_HIT) / (LOCAL_HIT + REMOTE_HIT + COMPUTED)
     assert prometheus.value(expr) == expected
+
+
+@pytest.mark.slow
+def test_a_tiers_hit_rate_is_its_hits_over_all_prompt_tokens(prometheus, dashboard):
+    total = LOCAL_HIT + REMOTE_HIT + COMPUTED
+    shares = prometheus.values(TIER_HIT_RATE)
+    assert {dict(labels)["tier"]: v for labels, v in shares.items()} == {
+        "host": (LOCAL_HIT - DISK_HIT + REMOTE_HIT) / total,
+        "disk": DISK_HIT / total,
+    }
+    # The panel takes the same ratio of the two sides' rates.
+    assert dict(grafana_expressions(dashboard))["Hit rate per tier"] == (
+        'sum by (tier) (rate(kvmesh_prompt_tokens_total{source=~"local_hit|remote_hit", '
+        'worker=~".*", tenant=~".*"}[15s])) / ignoring (tier) group_left '
+        'sum(rate(kvmesh_prompt_tokens_total{worker=~".*", tenant=~".*"}[15s]))'
+    )
 
 
 @pytest.mark.slow

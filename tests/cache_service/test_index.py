@@ -97,8 +97,8 @@ def test_match_returns_one_span_per_holder():
     assert result == MatchResult(
         12,
         (
-            HolderSpan("a", "cpu", (10, 11, 12), (5, 6, 7)),
-            HolderSpan("b", "cpu", (3, 4), (0, 0)),
+            HolderSpan("a", "host", (10, 11, 12), (5, 6, 7)),
+            HolderSpan("b", "host", (3, 4), (0, 0)),
         ),
     )
     assert index.num_pages == 3
@@ -113,8 +113,8 @@ def test_a_packed_match_carries_the_wire_bytes():
     assert packed == MatchResult(
         12,
         (
-            PackedSpan("a", "cpu", struct.pack("<3i", 10, 11, 12), struct.pack("<3q", 5, 6, 7)),
-            PackedSpan("b", "cpu", struct.pack("<2i", 3, 4), struct.pack("<2q", 2**40, 1)),
+            PackedSpan("a", "host", struct.pack("<3i", 10, 11, 12), struct.pack("<3q", 5, 6, 7)),
+            PackedSpan("b", "host", struct.pack("<2i", 3, 4), struct.pack("<2q", 2**40, 1)),
         ),
     )
     assert unpacked(packed) == index.match(NS, make_tokens(1, 2, 3, 4), requester="b")
@@ -159,11 +159,12 @@ def test_more_holders_than_inline_columns():
     index.check_integrity()
 
 
-def test_tier_comes_from_registration():
+def test_a_spans_tier_comes_from_its_pages_not_the_registration():
     index = GlobalIndex(page_tokens=P)
     index.register("g", node_id="node0", tier="gpu", now=0.0)
-    apply_ok(index, "g", 1, stored((0,), (1,)))
-    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("g", "gpu", (0,), (0,)),)
+    apply_ok(index, "g", 1, stored((0,), (1,))._replace(tier="device"))
+    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("g", "device", (0,), (0,)),)
+    assert index.worker_info("g").tier == "gpu"  # as registered: shown, never used
     index.check_integrity()
 
 
@@ -270,7 +271,7 @@ def test_restore_refreshes_the_generation():
     index = make_index("a")
     apply_ok(index, "a", 1, stored((0,), (1,), generations=(3,)))
     apply_ok(index, "a", 2, stored((0,), (1,), generations=(4,)))
-    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("a", "cpu", (0,), (4,)),)
+    assert index.match(NS, make_tokens(1)).spans == (HolderSpan("a", "host", (0,), (4,)),)
     index.check_integrity()
 
 
@@ -303,6 +304,7 @@ def test_gap_needs_resync_and_resync_restores():
         "resyncs_requested": 1,
         "resyncs": 1,
         "over_capacity": 0,
+        "unknown_pages": 0,
     }
     index.check_integrity()
 
@@ -588,21 +590,20 @@ def test_a_full_registry_makes_room_only_by_registrations_without_pages():
     apply_ok(index, "c", 1, stored((0,), (2,)))
     with pytest.raises(RegistryFull, match="2 workers registered, each holding pages"):
         index.register("d", node_id="node0", tier="new-tier", now=3.0)
-    assert index.live_workers() == ["a", "c"] and index.stats()["tiers"] == ["cpu"]
+    assert index.live_workers() == ["a", "c"]
+    assert index.stats()["tiers"] == {"device": 0, "host": 2, "disk": 0}
     assert index.stats()["removed_workers"] == {"evicted": 1}
     index.check_integrity()
 
 
-def test_tier_names_are_forgotten_with_their_last_worker():
+def test_a_registered_tier_name_is_kept_with_its_registration_only():
     index = make_index()
     for i in range(300):
         index.register("a", node_id="node0", tier=f"tier-{i}", now=0.0)
-    assert index.stats()["tiers"] == ["tier-299"]
-    index.register("b", node_id="node0", tier="tier-299", now=0.0)
+    assert index.worker_info("a").tier == index.peer("a").tier == "tier-299"
+    assert index.stats()["tiers"] == {"device": 0, "host": 0, "disk": 0}
     index.remove_worker("a", "bye")
-    assert index.stats()["tiers"] == ["tier-299"]
-    index.remove_worker("b", "bye")
-    assert index.stats()["tiers"] == []
+    assert index.worker_info("a") is None and index.peer("a") is None
     index.check_integrity()
 
 
@@ -950,6 +951,9 @@ def test_check_integrity_catches_a_broken_reverse_map():
         (lambda index: index._holders.count_arr.__setitem__(2, 2), "holder count"),
         (lambda index: index._nodes.depth_arr.__setitem__(2, 5), "depth"),
         (lambda index: index._nodes.tokens_arr.__setitem__((2, 0), 7), "does not match its page"),
+        (lambda index: index._holders.tier_arr.__setitem__((2, 0), 3), "in no tier of TIERS"),
+        (lambda index: index._holders.tier_arr.__setitem__((2, 0), 2), r"\[0, 1, 1\] pages per"),
+        (lambda index: index._registry.workers["a"].tier_pages.__setitem__(1, 3), "per tier"),
     ],
 )
 def test_check_integrity_catches_corruption(corrupt, message):
@@ -1145,7 +1149,8 @@ class Model:
             )
             assert max(held.values()) == len(path)
             for span in result.spans:
-                assert len(span.generations) == len(span.page_ids) and span.tier == "cpu"
+                assert len(span.generations) == len(span.page_ids) and span.tier == "host"
+                assert span.tiers == b""
             for depth in range(1, len(path) + 1):
                 got = {
                     (span.worker_id, span.page_ids[depth - 1], span.generations[depth - 1])
@@ -1167,7 +1172,7 @@ def unpacked(packed: MatchResult) -> MatchResult:
         assert len(span.generations) == 8 * count
         page_ids = struct.unpack(f"<{count}i", span.page_ids)
         generations = struct.unpack(f"<{count}q", span.generations)
-        spans.append(HolderSpan(span.worker_id, span.tier, page_ids, generations))
+        spans.append(HolderSpan(span.worker_id, span.tier, page_ids, generations, span.tiers))
     return MatchResult(packed.matched_tokens, tuple(spans))
 
 

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cache_service import protocol
 from cache_service.messages import (
     COPY_BUCKETS,
     EMPTY_REPORT,
+    LOAD_BUCKETS,
     TTFT_BUCKETS,
+    Heartbeat,
     Observed,
     TenantTokens,
+    TierFigures,
+    no_observations,
 )
 from cache_service.metrics import (
     Histogram,
@@ -25,6 +32,7 @@ from cache_service.metrics import (
     SnapshotCollector,
     WorkerFiguresRow,
 )
+from cache_service.protocol.report_wire import MAX_REPORT_REASONS
 from cache_service.web import HEADER_DEADLINE_S, MAX_CONNECTIONS, WebServer
 from tests.security.service_rig import NS, P, ServiceRig, serve
 
@@ -226,7 +234,8 @@ def test_workers_reports_become_the_mesh_metrics():
         got = samples(scrape(rig.server.metrics_url))
 
         def tokens(source, worker, tenant):
-            labels = (("source", source), ("tenant", tenant), ("worker", worker))
+            tier = {"computed": "none"}.get(source, "host")  # workers without tiers
+            labels = (("source", source), ("tenant", tenant), ("tier", tier), ("worker", worker))
             return got[("kvmesh_prompt_tokens_total", labels)]
 
         assert tokens("local_hit", "w0", "acme") == 32
@@ -239,9 +248,10 @@ def test_workers_reports_become_the_mesh_metrics():
         assert got[("kvmesh_prefix_cache_queries_total", pair)] == 96
         assert got[("kvmesh_prefix_cache_hits_total", pair)] == 48
         assert got[("kvmesh_requests_total", pair)] == 3
-        assert got[("kvmesh_pages", (("state", "cached"), ("worker", "w0")))] == 10
-        assert got[("kvmesh_pages", (("state", "free"), ("worker", "w1")))] == 64
-        assert got[("kvmesh_evictions_total", (("reason", "evicted"), ("worker", "w0")))] == 6
+        host = ("tier", "host")
+        assert got[("kvmesh_pages", (("state", "cached"), host, ("worker", "w0")))] == 10
+        assert got[("kvmesh_pages", (("state", "free"), host, ("worker", "w1")))] == 64
+        assert got[("kvmesh_evictions_total", (("reason", "evicted"), host, ("worker", "w0")))] == 6
         assert got[("kvmesh_copy_bytes_total", (("kind", "same_node"), ("worker", "w0")))] == 4096
         assert got[("kvmesh_worker_serving", (("worker", "w0"),))] == 1
         assert got[("kvmesh_worker_serving", (("worker", "w1"),))] == 0  # its loop failed
@@ -262,7 +272,7 @@ def test_workers_reports_become_the_mesh_metrics():
         rig.server.publish_metrics()
         got = samples(scrape(rig.server.metrics_url))
         assert tokens("remote_hit", "w1", "acme") == 8  # its counters stay
-        assert ("kvmesh_pages", (("state", "free"), ("worker", "w1"))) not in got
+        assert ("kvmesh_pages", (("state", "free"), host, ("worker", "w1"))) not in got
         assert rig.server.stats()["served"]["departed_workers"] == 1
     finally:
         rig.close()
@@ -325,10 +335,277 @@ def test_spot_checks_and_quarantined_members_are_metrics_and_on_the_dashboard():
     assert got[("kvmesh_spot_checks_total", (("result", "failed"), ("worker", "w1")))] == 1
     assert got[("kvmesh_quarantined", (("reporter", "w1"), ("worker", "w0")))] == 1
     assert got[("kvmesh_quarantines_total", ())] == 2
-    assert got[("kvmesh_evictions_total", (("reason", "quarantined"), ("worker", "w1")))] == 10
+    labels = (("reason", "quarantined"), ("tier", "host"), ("worker", "w1"))
+    assert got[("kvmesh_evictions_total", labels)] == 10
     assert collector.dashboard()["quarantined"] == [record]
     collector.publish(snapshot())
     assert collector.dashboard()["quarantined"] == []
     assert not [
         k for k in samples(generate_latest(registry).decode()) if k[0] == "kvmesh_quarantined"
     ]
+
+
+# ---- tiers -----------------------------------------------------------------------------
+
+
+def tier(name: str, **figures) -> TierFigures:
+    """A tier's figures: zeros, an accepting tier, but for `figures`."""
+    base = TierFigures(
+        tier=name,
+        pages=0,
+        capacity=0,
+        bytes_written=0,
+        bytes_read=0,
+        demotions=0,
+        evictions={},
+        hit_tokens=0,
+        load_seconds=no_observations(LOAD_BUCKETS),
+        read_ns_per_token=0,
+        accepting=1,
+        errors=0,
+        dropped={},
+    )
+    return base._replace(**figures)
+
+
+def loads(*seconds: float) -> Observed:
+    histogram = Histogram(LOAD_BUCKETS)
+    for value in seconds:
+        histogram.observe(value)
+    return histogram.observed()
+
+
+# w0 keeps pages in host memory and on disk; its disk served 24 of its 64 local hits, of
+# which acme had 48 and another tenant (never named) 16: acme's share 24 * 48/64 = 18, the
+# other's 6. w1 reports no tiers (a worker from before them): all in host memory.
+W0_TENANTS = (TenantTokens("salt-acme", 4, 48, 16, 32), TenantTokens("salt-x", 1, 16, 0, 8))
+W0 = EMPTY_REPORT._replace(
+    pages_free=20,
+    pages_cached=40,
+    pages_in_use=4,
+    evictions={"demoted": 40, "evicted": 3},
+    tenants=W0_TENANTS,
+    tiers=(
+        tier("host", pages=44, capacity=64, bytes_read=8192, hit_tokens=40),
+        tier(
+            "disk",
+            pages=40,
+            capacity=1000,
+            bytes_written=40 * 4096,
+            bytes_read=24 * 4096,
+            demotions=40,
+            evictions={"evicted": 5, "corrupt": 1},
+            hit_tokens=24,
+            load_seconds=loads(0.004, 0.02),
+            read_ns_per_token=1500,
+            errors=2,
+            dropped={"truncated": 1},
+        ),
+    ),
+)
+W1 = EMPTY_REPORT._replace(
+    pages_free=60, pages_cached=4, tenants=(TenantTokens("salt-acme", 2, 8, 0, 8),)
+)
+
+
+def tokens(got: dict, source: str, tier_name: str, worker: str, tenant: str | None) -> float:
+    labels = {"source": source, "tier": tier_name, "worker": worker}
+    if tenant is not None:
+        labels["tenant"] = tenant
+    return got[("kvmesh_prompt_tokens_total", tuple(sorted(labels.items())))]
+
+
+def test_tiers_of_two_workers_become_tier_labelled_metrics_and_stats():
+    rig = ServiceRig(auth=True, metrics_show_tenants=True)
+    try:
+        _, w0 = rig.worker("w0")
+        _, w1 = rig.worker("w1")
+        rig.client("front_door").name_tenant("salt-acme", "acme")
+        w0._report, w1._report = (lambda: W0), (lambda: W1)
+        assert w0.heartbeat() and w1.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+
+        # Prompt tokens by source and tier: w0's disk hits shared by its tenants' local hits.
+        assert tokens(got, "local_hit", "host", "w0", "acme") == 30
+        assert tokens(got, "local_hit", "disk", "w0", "acme") == 18
+        assert tokens(got, "local_hit", "host", "w0", "(unnamed)") == 10
+        assert tokens(got, "local_hit", "disk", "w0", "(unnamed)") == 6
+        assert tokens(got, "remote_hit", "host", "w0", "acme") == 16
+        assert tokens(got, "computed", "none", "w0", "acme") == 32
+        assert tokens(got, "local_hit", "host", "w1", "acme") == 8
+        assert tokens(got, "computed", "none", "w1", "acme") == 8
+        tiers_of_w1 = {
+            dict(labels)["tier"]
+            for name, labels in got
+            if name == "kvmesh_prompt_tokens_total" and ("worker", "w1") in labels
+        }
+        assert tiers_of_w1 == {"host", "none"}  # no disk: it reports none
+
+        def value(name, worker="w0", **labels):
+            return got[(name, tuple(sorted({**labels, "worker": worker}.items())))]
+
+        assert value("kvmesh_pages", state="cached", tier="host") == 40
+        assert value("kvmesh_pages", state="cached", tier="disk") == 40
+        assert value("kvmesh_pages", state="free", tier="disk") == 960
+        assert value("kvmesh_pages", "w1", state="free", tier="host") == 60
+        assert value("kvmesh_evictions_total", reason="demoted", tier="host") == 40
+        assert value("kvmesh_evictions_total", reason="evicted", tier="disk") == 5
+        assert value("kvmesh_evictions_total", reason="corrupt", tier="disk") == 1
+        assert value("kvmesh_tier_capacity_pages", tier="host") == 64  # its page store
+        assert value("kvmesh_tier_capacity_pages", tier="disk") == 1000
+        assert value("kvmesh_tier_capacity_pages", "w1", tier="host") == 64
+        assert value("kvmesh_tier_written_bytes_total", tier="disk") == 40 * 4096
+        assert value("kvmesh_tier_read_bytes_total", tier="disk") == 24 * 4096
+        assert value("kvmesh_tier_read_bytes_total", tier="host") == 8192  # peers' reads
+        assert value("kvmesh_tier_demotions_total", tier="disk") == 40
+        assert value("kvmesh_tier_errors_total", tier="disk") == 2
+        assert value("kvmesh_tier_dropped_records_total", reason="truncated", tier="disk") == 1
+        assert value("kvmesh_tier_accepting", tier="disk") == 1
+        assert ("kvmesh_tier_accepting", (("tier", "host"), ("worker", "w1"))) not in got
+        load = (("le", "0.005"), ("tier", "disk"))
+        assert got[("kvmesh_tier_load_seconds_bucket", load)] == 1
+        assert got[("kvmesh_tier_load_seconds_count", (("tier", "disk"),))] == 2
+        assert got[("kvmesh_tier_load_seconds_sum", (("tier", "disk"),))] == pytest.approx(0.024)
+
+        # A tier's hit rate over all prompt tokens, as a PromQL ratio would take it; the
+        # service's stats give the same figures, their denominator with them.
+        all_tokens = sum(v for (n, _), v in got.items() if n == "kvmesh_prompt_tokens_total")
+        hits = {}
+        for (name, labels), count in got.items():
+            found = dict(labels)
+            if name == "kvmesh_prompt_tokens_total" and found["source"] != "computed":
+                hits[found["tier"]] = hits.get(found["tier"], 0) + count
+        assert (all_tokens, hits) == (136, {"host": 64, "disk": 24})
+        served = rig.server.stats()["served"]
+        assert served["prompt_tokens_total"] == 136
+        assert served["hit_rate"] == pytest.approx(88 / 136)
+        host, disk = served["tiers"]["host"], served["tiers"]["disk"]
+        assert list(served["tiers"]) == ["host", "disk"]
+        assert (host["hit_tokens"], host["hit_rate"]) == (64, pytest.approx(64 / 136))
+        assert (disk["hit_tokens"], disk["hit_rate"]) == (24, pytest.approx(24 / 136))
+        assert (host["pages"], host["capacity"]) == (44 + 4, 64 + 64)
+        assert host["evictions"] == {"demoted": 40, "evicted": 3}
+        assert (host["workers"], host["accepting"], host["bytes_read"]) == (1, 1, 8192)
+        assert disk == {
+            "hit_tokens": 24,
+            "hit_rate": pytest.approx(24 / 136),
+            "pages": 40,
+            "capacity": 1000,
+            "evictions": {"evicted": 5, "corrupt": 1},
+            "workers": 1,
+            "accepting": 1,
+            "bytes_written": 40 * 4096,
+            "bytes_read": 24 * 4096,
+            "demotions": 40,
+            "errors": 2,
+            "dropped": {"truncated": 1},
+        }
+    finally:
+        rig.close()
+
+
+def test_without_tenants_shown_a_tier_split_is_the_workers_own():
+    rig = ServiceRig(auth=True)  # no token, tenants not shown: summed over tenants
+    try:
+        _, w0 = rig.worker("w0")
+        w0._report = lambda: W0
+        assert w0.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+        assert tokens(got, "local_hit", "disk", "w0", None) == 24
+        assert tokens(got, "local_hit", "host", "w0", None) == 40
+        assert tokens(got, "remote_hit", "host", "w0", None) == 16
+    finally:
+        rig.close()
+
+
+def test_a_restarted_worker_starts_its_tier_figures_from_zero():
+    """Figures only grow while a worker runs, however its tenants' hits come; a worker that
+    comes back under its id reports from zero again, and so do its series (a counter reset,
+    as Prometheus reads it)."""
+    rig = ServiceRig(auth=True, metrics_show_tenants=True)
+    try:
+        _, w0 = rig.worker("w0")
+        rig.client("front_door").name_tenant("salt-acme", "acme")
+        w0._report = lambda: W0
+        assert w0.heartbeat()
+        # Then 20 more local hits, all acme's, 10 of them from disk: all 10 are acme's.
+        acme, other = W0_TENANTS
+        later = W0._replace(
+            tenants=(acme._replace(local_hit=68), other),
+            tiers=(W0.tiers[0], W0.tiers[1]._replace(hit_tokens=34, bytes_read=34 * 4096)),
+        )
+        w0._report = lambda: later
+        assert w0.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+        assert tokens(got, "local_hit", "disk", "w0", "acme") == 18 + 10
+        assert tokens(got, "local_hit", "host", "w0", "acme") == 30 + 10
+        assert tokens(got, "local_hit", "disk", "w0", "(unnamed)") == 6  # unchanged
+        disk_read = ("kvmesh_tier_read_bytes_total", (("tier", "disk"), ("worker", "w0")))
+        assert got[disk_read] == 34 * 4096
+
+        _, again = rig.worker("w0")  # a new incarnation: registered anew
+        fresh = EMPTY_REPORT._replace(
+            tenants=(TenantTokens("salt-acme", 1, 4, 0, 4),),
+            tiers=(tier("disk", pages=1, capacity=1000, hit_tokens=4, bytes_read=4096),),
+        )
+        again._report = lambda: fresh
+        assert again.heartbeat()
+        rig.server.publish_metrics()
+        got = samples(scrape(rig.server.metrics_url))
+        assert tokens(got, "local_hit", "disk", "w0", "acme") == 4
+        assert tokens(got, "local_hit", "host", "w0", "acme") == 0
+        assert got[disk_read] == 4096
+        assert ("kvmesh_tier_read_bytes_total", (("tier", "host"), ("worker", "w0"))) not in got
+        served = rig.server.stats()["served"]
+        assert served["tiers"]["disk"]["hit_tokens"] == 4
+        assert served["prompt_tokens_total"] == 8
+    finally:
+        rig.close()  # checks the service's integrity, the reports' tier split with it
+
+
+@pytest.mark.parametrize(
+    "bad_tiers, code, message",
+    [
+        (
+            (tier("ssd"),),
+            "bad_field",
+            r"heartbeat\.report\.tiers\[0\]\.tier: expected one of \('device', 'host', 'disk'\)",
+        ),
+        (
+            (tier("device"), tier("host"), tier("disk"), tier("disk")),
+            "too_large",
+            r"heartbeat\.report\.tiers: 4 tiers exceeds the limit 3",
+        ),
+        (
+            (tier("disk", dropped={f"r{i}": 1 for i in range(MAX_REPORT_REASONS + 1)}),),
+            "too_large",
+            rf"tiers\[0\]\.dropped: {MAX_REPORT_REASONS + 1} reasons exceeds the limit",
+        ),
+    ],
+)
+def test_a_report_with_bad_tiers_is_refused_and_the_service_serves_on(bad_tiers, code, message):
+    rig = ServiceRig(auth=False)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.linger, dealer.rcvtimeo = 0, 5000
+    try:
+        _, w0 = rig.worker("w0")
+        w0._report = lambda: W0
+        assert w0.heartbeat()
+        # As a worker whose code is not ours might send it: unchecked at the sender.
+        bad = Heartbeat("w0", w0.epoch, 0.0, W0._replace(tiers=bad_tiers))
+        dealer.connect(rig.server.address)
+        dealer.send(protocol.encode(protocol.request(9, bad), check=False))
+        reply = protocol.decode(dealer.recv(), "reply")
+        assert (reply.type, reply.request_id, reply.body.code) == (protocol.ERROR, 9, code)
+        assert re.search(message, reply.body.message), reply.body.message
+        served = rig.server.stats()["served"]  # it answers, and kept the last good report
+        assert served["tiers"]["disk"]["hit_tokens"] == 24
+        w0._report = lambda: W1
+        assert w0.heartbeat()
+        assert "disk" not in rig.server.stats()["served"]["tiers"]
+    finally:
+        dealer.close(linger=0)
+        rig.close()

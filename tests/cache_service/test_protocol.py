@@ -32,8 +32,10 @@ from cache_service import messages as message_types
 from cache_service import protocol
 from cache_service.events import (
     REMOVAL_REASONS,
+    TIERS,
     AllCleared,
     Namespace,
+    PagesDemoted,
     PagesRemoved,
     PagesStored,
 )
@@ -138,13 +140,55 @@ SAMPLE_REPORT = message_types.EMPTY_REPORT._replace(
     tenants=(TenantTokens("salt-a", 3, 64, 16, 80), TenantTokens("", 1, 0, 0, 40)),
     ttft_hit=message_types.Observed((0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0.11),
 )
+SAMPLE_TIERS = (
+    message_types.TierFigures(
+        tier="host",
+        pages=38,
+        capacity=128,
+        bytes_written=0,
+        bytes_read=1 << 16,
+        demotions=0,
+        evictions={"demoted": 40},
+        hit_tokens=512,
+        load_seconds=message_types.no_observations(message_types.LOAD_BUCKETS),
+        read_ns_per_token=0,
+        accepting=1,
+        errors=0,
+        dropped={},
+    ),
+    message_types.TierFigures(
+        tier="disk",
+        pages=40,
+        capacity=4096,
+        bytes_written=40 << 12,
+        bytes_read=8 << 12,
+        demotions=40,
+        evictions={"evicted": 2, "corrupt": 1},
+        hit_tokens=128,
+        load_seconds=message_types.Observed((0,) * 5 + (2,) + (0,) * 7, 0.008),
+        read_ns_per_token=1500,
+        accepting=0,
+        errors=3,
+        dropped={"truncated": 1, "orphan": 2},
+    ),
+)
 SAMPLE_REQUESTS = {
     "register": Register(
         "w0", "node-a", "cpu", "tcp://10.0.0.5:7001", SHM_NAME, PAGE_KEY, capacity=2048
     ),
-    "heartbeat": Heartbeat("w0", 3, 0.25, SAMPLE_REPORT),
+    "heartbeat": Heartbeat("w0", 3, 0.25, SAMPLE_REPORT._replace(tiers=SAMPLE_TIERS)),
     "events": PublishEvents(
-        "w0", 3, 41, [make_stored(), PagesRemoved((11,), "evicted"), AllCleared()]
+        "w0",
+        3,
+        41,
+        [
+            make_stored(),
+            PagesDemoted((11,), (1011,), (4,), "disk"),
+            PagesRemoved((1011,), "evicted", "disk"),
+            make_stored(1)._replace(tier="device"),
+            PagesRemoved((10,), "evicted"),
+            AllCleared(),
+        ],
     ),
     "resync": Resync("w0", 3, 42, [make_stored(3, 2)]),
     "match": Match(NS, pack_tokens(make_tokens(40)), "w1"),
@@ -168,8 +212,8 @@ SAMPLE_REPLIES = {
     "match": MatchResult(
         32,
         (
-            HolderSpan("w0", "cpu", (10, 11), (0, 0)),
-            HolderSpan("w2", "gpu", (5,), (1,)),
+            HolderSpan("w0", "host", (10, 11, 1012), (0, 0, 3), bytes((1, 1, 2))),
+            HolderSpan("w2", "device", (5,), (1,)),
         ),
     ),
     "route": RouteDecision("w0", 32, -1.5, "prefix"),
@@ -241,6 +285,7 @@ def test_every_request_class_has_one_message_type():
     }
     parts = {HolderSpan, PackedSpan}
     parts |= {message_types.WorkerReport, message_types.TenantTokens, message_types.Observed}
+    parts |= {message_types.TierFigures}
     assert declared == set(requests) | replies | parts
 
 
@@ -293,10 +338,21 @@ def test_decoded_bodies_hold_typed_values():
     events = decode(encode(Message("events", 1, SAMPLE_REQUESTS["events"]))).body.events
     assert [type(event).__name__ for event in events] == [
         "PagesStored",
+        "PagesDemoted",
+        "PagesRemoved",
+        "PagesStored",
         "PagesRemoved",
         "AllCleared",
     ]
     assert isinstance(events[0], PagesStored) and events[0].tokens == make_stored().tokens
+    assert [getattr(event, "tier", None) for event in events] == [
+        "host",
+        "disk",
+        "disk",
+        "device",
+        "host",
+        None,
+    ]
     reply = decode(encode(ok_reply(GOOD_MATCH, SAMPLE_REPLIES["match"])), "reply").body
     assert type(reply) is MatchResult
     assert reply.spans == SAMPLE_REPLIES["match"].spans
@@ -351,7 +407,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 9  # 9: capacities, spot checks, quarantine
+    assert PROTOCOL_VERSION == 10  # 10: page tiers in events and match spans
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -364,35 +420,58 @@ def test_envelope_layout():
 def test_spans_travel_as_packed_little_endian_ints():
     reply = ok_reply(GOOD_MATCH, SAMPLE_REPLIES[MATCH])
     assert msgpack.unpackb(encode(reply))["b"]["spans"] == [
-        ["w0", "cpu", struct.pack("<2i", 10, 11), struct.pack("<2q", 0, 0)],
-        ["w2", "gpu", struct.pack("<i", 5), struct.pack("<q", 1)],
+        # Per-page tiers only where the span mixes tiers: w0's last page is on disk.
+        ["w0", "host", struct.pack("<3i", 10, 11, 1012), struct.pack("<3q", 0, 0, 3), b"\1\1\2"],
+        ["w2", "device", struct.pack("<i", 5), struct.pack("<q", 1)],
     ]
+
+
+def test_spans_carry_per_page_tiers_only_when_they_mix():
+    spans = [
+        ("w0", "host", (1, 2, 3), (0, 0, 0), b"\1\1\2"),
+        ("w1", "disk", (4,), (0,), b""),
+        ["w2", "device", (5, 6), (0, 0), [0, 1]],  # tier indices as a list
+        ["w3", "host", (7,), (0,)],  # four items: one tier
+    ]
+    got = decode(encode(ok_reply(GOOD_MATCH, MatchResult(12, spans))), "reply").body.spans
+    assert got == (
+        HolderSpan("w0", "host", (1, 2, 3), (0, 0, 0), b"\1\1\2"),
+        HolderSpan("w1", "disk", (4,), (0,)),
+        HolderSpan("w2", "device", (5, 6), (0, 0), b"\0\1"),
+        HolderSpan("w3", "host", (7,), (0,)),
+    )
+    assert [got[0].tier_of(i) for i in range(3)] == ["host", "host", "disk"]
+    assert [got[1].tier_of(0), got[2].tier_of(1)] == ["disk", "host"]
+    wire = msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(12, got))))["b"]["spans"]
+    assert [len(span) for span in wire] == [5, 4, 5, 4]
+    with pytest.raises(ProtocolError, match=r"\[0\]\.tiers: expected bytes"):
+        encode(ok_reply(GOOD_MATCH, MatchResult(4, [("w", "host", (1,), (0,), 5)])))
 
 
 def test_encode_accepts_plain_span_forms():
     spans = [
-        ["w0", "cpu", [10, 11], np.array([2**40, 0])],
-        ("w1", "gpu", np.array([7], dtype=np.int32), struct.pack("<q", 3)),
-        ["w2", "cpu", struct.pack("<i", 2**31 - 1), (2**63 - 1,)],
+        ["w0", "host", [10, 11], np.array([2**40, 0])],
+        ("w1", "device", np.array([7], dtype=np.int32), struct.pack("<q", 3)),
+        ["w2", "host", struct.pack("<i", 2**31 - 1), (2**63 - 1,)],
     ]
     got = decode(encode(ok_reply(GOOD_MATCH, MatchResult(8, spans))), "reply")
     assert got.body.spans == (
-        HolderSpan("w0", "cpu", (10, 11), (2**40, 0)),
-        HolderSpan("w1", "gpu", (7,), (3,)),
-        HolderSpan("w2", "cpu", (2**31 - 1,), (2**63 - 1,)),
+        HolderSpan("w0", "host", (10, 11), (2**40, 0)),
+        HolderSpan("w1", "device", (7,), (3,)),
+        HolderSpan("w2", "host", (2**31 - 1,), (2**63 - 1,)),
     )
 
 
 @pytest.mark.parametrize(
     "spans, message",
     [
-        ([("w0", "cpu", (2**31,), (0,))], r"match\.reply\.spans: \[0\]\.page_ids: not int32"),
-        ([("w0", "cpu", (1,), (2**63,))], r"\[0\]\.generations: not int64"),
-        ([("w0", "cpu", ("1",), (0,))], r"\[0\]\.page_ids: not int32"),
-        ([("w0", "cpu", (1,))], r"\[0\]: expected HolderSpan"),
-        ([("w0", "cpu", (-1,), (0,))], r"match\.reply\.spans\[0\]\.page_ids\[0\]: -1 is negative"),
-        ([("w0", "cpu", (1, 2), (0,))], "2 page ids but 1 generations"),
-        ([("w0", "cpu", (), ())], "at least one page"),
+        ([("w0", "host", (2**31,), (0,))], r"match\.reply\.spans: \[0\]\.page_ids: not int32"),
+        ([("w0", "host", (1,), (2**63,))], r"\[0\]\.generations: not int64"),
+        ([("w0", "host", ("1",), (0,))], r"\[0\]\.page_ids: not int32"),
+        ([("w0", "host", (1,))], r"\[0\]: expected HolderSpan"),
+        ([("w0", "host", (-1,), (0,))], r"match\.reply\.spans\[0\]\.page_ids\[0\]: -1 is negative"),
+        ([("w0", "host", (1, 2), (0,))], "2 page ids but 1 generations"),
+        ([("w0", "host", (), ())], "at least one page"),
     ],
 )
 def test_encode_checks_spans(spans, message):
@@ -421,8 +500,8 @@ def test_a_match_result_round_trips():
     )
     assert type(got) is MatchResult and got == result
     assert got.spans == (
-        HolderSpan("a", "gpu", (7, 8, 9), (1, 2, 3)),
-        HolderSpan("b", "gpu", (4,), (2**40,)),
+        HolderSpan("a", "host", (7, 8, 9), (1, 2, 3)),  # the pages' tier, not the registration's
+        HolderSpan("b", "host", (4,), (2**40,)),
     )
     index.check_integrity()
     # The server's unchecked encode of packed spans makes the checked encode's frame.
@@ -451,7 +530,23 @@ def stored_events(draw):
         )
     )
     return PagesStored(
-        draw(namespaces), draw(st.none() | page_ids), ids, generations, tuple(tokens)
+        draw(namespaces),
+        draw(st.none() | page_ids),
+        ids,
+        generations,
+        tuple(tokens),
+        draw(st.sampled_from(TIERS)),
+    )
+
+
+@st.composite
+def demoted_events(draw):
+    pages = draw(st.integers(1, 4))
+    return PagesDemoted(
+        tuple(draw(st.lists(page_ids, min_size=pages, max_size=pages))),
+        tuple(draw(st.lists(page_ids, min_size=pages, max_size=pages))),
+        tuple(draw(st.lists(counts, min_size=pages, max_size=pages))),
+        draw(st.sampled_from(TIERS)),
     )
 
 
@@ -461,7 +556,9 @@ events = st.one_of(
         PagesRemoved,
         st.lists(page_ids, min_size=1, max_size=4).map(tuple),
         st.sampled_from(REMOVAL_REASONS),
+        st.sampled_from(TIERS),
     ),
+    demoted_events(),
     st.just(AllCleared()),
 )
 scalars = st.one_of(
@@ -481,11 +578,13 @@ stats_values = st.one_of(
 @st.composite
 def holder_spans(draw):
     pages = draw(st.integers(1, 6))
+    tiers = draw(st.lists(st.integers(0, len(TIERS) - 1), min_size=pages, max_size=pages))
     return HolderSpan(
         draw(names),
-        draw(names),
+        TIERS[tiers[0]],
         tuple(draw(st.lists(page_ids, min_size=pages, max_size=pages))),
         tuple(draw(st.lists(counts, min_size=pages, max_size=pages))),
+        bytes(tiers) if len(set(tiers)) > 1 else b"",
     )
 
 
@@ -498,8 +597,24 @@ def observed(draw, bounds):
 
 
 @st.composite
+def tier_figures(draw, tier):
+    return message_types.TierFigures(
+        tier,
+        *draw(st.lists(counts, min_size=5, max_size=5)),
+        evictions=draw(st.dictionaries(names, counts, max_size=3)),
+        hit_tokens=draw(counts),
+        load_seconds=draw(observed(message_types.LOAD_BUCKETS)),
+        read_ns_per_token=draw(counts),
+        accepting=draw(st.sampled_from((0, 1))),
+        errors=draw(counts),
+        dropped=draw(st.dictionaries(names, counts, max_size=3)),
+    )
+
+
+@st.composite
 def reports(draw):
     salts = draw(st.lists(st.text(max_size=12), max_size=4, unique=True))
+    tiers = [tier for tier in message_types.TIERS if draw(st.booleans())]  # top down
     return message_types.WorkerReport(
         *draw(st.lists(counts, min_size=3, max_size=3)),
         evictions=draw(st.dictionaries(names, counts, max_size=3)),
@@ -512,10 +627,12 @@ def reports(draw):
         ttft_hit=draw(observed(message_types.TTFT_BUCKETS)),
         ttft_miss=draw(observed(message_types.TTFT_BUCKETS)),
         **{name: draw(counts) for name in LOAD_REPORT_FIELDS},
+        tiers=tuple(draw(tier_figures(tier)) for tier in tiers),
     )
 
 
-LOAD_REPORT_FIELDS = message_types.WorkerReport._fields[10:]  # alignment, load and costs
+# alignment, load, costs and health (the tiers are the last field)
+LOAD_REPORT_FIELDS = message_types.WorkerReport._fields[10:-1]
 
 
 shm_names = st.just("") | st.builds(
@@ -667,6 +784,8 @@ def test_generated_messages_round_trip(msg):
 
 # --- events -------------------------------------------------------------------------------
 
+GOOD_STORED_WIRE = ["s", ["m", "", ""], None, b"\1\0\0\0", bytes(8), pack_tokens([1, 2])]
+
 
 @pytest.mark.parametrize(
     "event, wire",
@@ -677,11 +796,88 @@ def test_generated_messages_round_trip(msg):
             PagesStored(NS, 3, (4,), (2**40,), (7, 8)),
             ["s", list(NS), 3, struct.pack("<i", 4), struct.pack("<q", 2**40), pack_tokens([7, 8])],
         ),
+        # A tier other than host travels last; host (the default) is left out.
+        (
+            PagesStored(NS, None, (4,), (1,), (7, 8), "disk"),
+            [
+                "s",
+                list(NS),
+                None,
+                struct.pack("<i", 4),
+                struct.pack("<q", 1),
+                pack_tokens([7, 8]),
+                "disk",
+            ],
+        ),
+        (PagesRemoved((4,), "corrupt", "disk"), ["r", struct.pack("<i", 4), "corrupt", "disk"]),
+        (
+            PagesDemoted((4, 5), (104, 105), (2, 3), "disk"),
+            [
+                "d",
+                struct.pack("<2i", 4, 5),
+                struct.pack("<2i", 104, 105),
+                struct.pack("<2q", 2, 3),
+                "disk",
+            ],
+        ),
+        (
+            PagesDemoted((4,), (54,), (2,), "host"),  # from the device down to host memory
+            ["d", struct.pack("<i", 4), struct.pack("<i", 54), struct.pack("<q", 2), "host"],
+        ),
     ],
 )
 def test_event_wire_forms(event, wire):
     assert encode_event(event) == wire
     assert decode_event(msgpack.unpackb(msgpack.packb(wire))) == event
+
+
+def test_events_in_the_wire_form_before_tiers_decode_in_host_memory():
+    """A frame whose stored and removed events end before a tier, built by hand as senders
+    wrote them before tiers, decodes with every page in host memory."""
+    events = [
+        ["s", list(NS), None, i32(10, 11), i64(0, 1), pack_tokens(make_tokens(8))],
+        ["r", i32(11), "evicted"],
+        ["c"],
+    ]
+    body = {"worker_id": "w0", "epoch": 3, "seq": 1, "events": events}
+    decoded = decode(raw_frame("events", body)).body.events
+    assert decoded == [
+        PagesStored(NS, None, (10, 11), (0, 1), tuple(make_tokens(8)), "host"),
+        PagesRemoved((11,), "evicted", "host"),
+        AllCleared(),
+    ]
+    # Naming host explicitly is the same event.
+    explicit = [[*events[0], "host"], [*events[1], "host"], ["c"]]
+    assert decode(raw_frame("events", {**body, "events": explicit})).body.events == decoded
+    # The old span form (four items) decodes in one tier, as the sender's first page's.
+    spans = [["w", "host", i32(1, 2), i64(0, 5)]]
+    reply = decode(raw_frame(OK, {"matched_tokens": 8, "spans": spans}, r=MATCH), "reply")
+    assert reply.body.spans == (HolderSpan("w", "host", (1, 2), (0, 5)),)
+
+
+@pytest.mark.parametrize(
+    "wire, message",
+    [
+        (
+            [*GOOD_STORED_WIRE, "cpu"],
+            "events[0].tier: expected a tier, one of ('device', 'host', 'disk'), got 'cpu'",
+        ),
+        (["r", b"\1\0\0\0", "evicted", "gpu"], "events[0].tier: expected a tier"),
+        (["r", b"\1\0\0\0", "evicted", None], "events[0].tier: expected a tier"),
+        (["d", b"\1\0\0\0", b"\2\0\0\0", bytes(8), "tape"], "events[0].tier: expected a tier"),
+        (["d", b"\1\0\0\0", b"\2\0\0\0", bytes(8)], "events[0]: expected 5 items for event 'd'"),
+        (["r", b"\1\0\0\0"], "events[0]: expected 3 or 4 items for event 'r'"),
+        (["x", 1], "events[0][0]: expected an event tag 's', 'r', 'd' or 'c'"),
+        (
+            ["d", bytes(8), b"\2\0\0\0", bytes(8), "disk"],
+            "events[0]: 2 page ids, 1 new page ids and 1 generations (one of each per page)",
+        ),
+    ],
+)
+def test_bad_tiers_and_demotions_are_refused_naming_the_field(wire, message):
+    body = {"worker_id": "w0", "epoch": 3, "seq": 1, "events": [wire]}
+    error = assert_rejected(raw_frame("events", body, request_id=7), BAD_FIELD)
+    assert error.message.startswith(f"events.{message}") and error.request_id == 7
 
 
 def test_stored_chain_keeps_its_packed_tokens():
@@ -751,6 +947,20 @@ BAD_EVENTS = [
     ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), b""],
     ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), "tokens"],
     ["s", NS_WIRE, None, i32(1, 2), i64(0, 0), [1, 2]],
+    [*GOOD_STORED, "cpu"],  # a tier not of TIERS
+    [*GOOD_STORED, ""],
+    [*GOOD_STORED, "host", 0],
+    ["r", i32(1), "evicted", "Host"],
+    ["r", i32(1), "evicted", "host", "disk"],
+    ["d", i32(1), i32(2), i64(0)],  # a demotion always names its tier
+    ["d", i32(1), i32(2), i64(0), "tape"],
+    ["d", i32(1), i32(2), i64(0), 2],
+    ["d", b"", b"", b"", "disk"],  # no page
+    ["d", i32(1, 2), i32(3), i64(0, 0), "disk"],
+    ["d", i32(1), i32(3), i64(0, 0), "disk"],
+    ["d", i32(1), i32(-3), i64(0), "disk"],
+    ["d", i32(1), i32(3), i64(-1), "disk"],
+    ["d", [1], i32(3), i64(0), "disk"],
 ]
 
 
@@ -781,29 +991,35 @@ ANY_OTHER = st.one_of(
     st.dictionaries(st.text(max_size=2), wire_ints, max_size=2),
 )
 NAN, INF = math.nan, math.inf
-GOOD_SPAN = ["w", "cpu", struct.pack("<2i", 1, 2), struct.pack("<2q", 0, 5)]
+GOOD_SPAN = ["w", "host", struct.pack("<2i", 1, 2), struct.pack("<2q", 0, 5)]
 BAD_SPANS = [
     GOOD_SPAN[:3],  # too short
     [*GOOD_SPAN, 0],  # too long
-    ["w", "cpu", struct.pack("<2i", 1, 2), struct.pack("<q", 0)],  # 2 page ids, 1 generation
-    ["w", "cpu", struct.pack("<i", 1), struct.pack("<2q", 0, 5)],  # 1 page id, 2 generations
-    ["w", "cpu", GOOD_SPAN[2] + b"\x00", GOOD_SPAN[3]],  # 9 bytes of page ids
-    ["w", "cpu", GOOD_SPAN[2], GOOD_SPAN[3][:-4]],  # 12 bytes of generations
-    ["w", "cpu", GOOD_SPAN[2][:6], GOOD_SPAN[3][:12]],  # neither a whole number
-    ["w", "cpu", b"", b""],  # no pages
-    ["w", "cpu", struct.pack("<2i", 1, -2), GOOD_SPAN[3]],  # a negative page id
-    ["w", "cpu", GOOD_SPAN[2], struct.pack("<2q", -1, 0)],  # a negative generation
-    ["w", "cpu", [1, 2], [0, 5]],  # lists of ints, not packed bytes
-    ["w", "cpu", "\x01\x00\x00\x00", GOOD_SPAN[3][:8]],  # str, not bytes
-    ["w", "cpu", GOOD_SPAN[2], None],
-    ["", "cpu", *GOOD_SPAN[2:]],  # empty worker id
+    ["w", "host", struct.pack("<2i", 1, 2), struct.pack("<q", 0)],  # 2 page ids, 1 generation
+    ["w", "host", struct.pack("<i", 1), struct.pack("<2q", 0, 5)],  # 1 page id, 2 generations
+    ["w", "host", GOOD_SPAN[2] + b"\x00", GOOD_SPAN[3]],  # 9 bytes of page ids
+    ["w", "host", GOOD_SPAN[2], GOOD_SPAN[3][:-4]],  # 12 bytes of generations
+    ["w", "host", GOOD_SPAN[2][:6], GOOD_SPAN[3][:12]],  # neither a whole number
+    ["w", "host", b"", b""],  # no pages
+    ["w", "host", struct.pack("<2i", 1, -2), GOOD_SPAN[3]],  # a negative page id
+    ["w", "host", GOOD_SPAN[2], struct.pack("<2q", -1, 0)],  # a negative generation
+    ["w", "host", [1, 2], [0, 5]],  # lists of ints, not packed bytes
+    ["w", "host", "\x01\x00\x00\x00", GOOD_SPAN[3][:8]],  # str, not bytes
+    ["w", "host", GOOD_SPAN[2], None],
+    ["", "host", *GOOD_SPAN[2:]],  # empty worker id
     ["w", "", *GOOD_SPAN[2:]],  # empty tier
-    ["x" * 257, "cpu", *GOOD_SPAN[2:]],  # worker id over max_str_len
-    [b"w", "cpu", *GOOD_SPAN[2:]],
+    ["x" * 257, "host", *GOOD_SPAN[2:]],  # worker id over max_str_len
+    [b"w", "host", *GOOD_SPAN[2:]],
     ["w", 7, *GOOD_SPAN[2:]],
     {"worker_id": "w"},
     "span",
     None,
+    ["w", "cpu", *GOOD_SPAN[2:]],  # 21: a tier not of TIERS
+    [*GOOD_SPAN, b"\1"],  # 22: one tier for two pages
+    [*GOOD_SPAN, b"\1\3"],  # 23: no tier 3
+    [*GOOD_SPAN, b"\2\1"],  # 24: the first page's tier is not the span's
+    [*GOOD_SPAN, "\1\2"],  # 25: str, not bytes
+    [*GOOD_SPAN, b"\1\2", 0],  # 26: six items
 ]
 LONG_NAME = "x" * 257
 BAD_SHM_NAMES = [
@@ -837,15 +1053,48 @@ BAD_PEER_ENTRIES = [
 
 
 def report_with(field: str, value: object) -> list:
-    """SAMPLE_REPORT's wire form with one field replaced."""
-    wire = protocol.table.MESSAGES["heartbeat"].request.fields["report"].wire(SAMPLE_REPORT)
+    """SAMPLE_REPORT's wire form (with SAMPLE_TIERS) with one field replaced."""
+    report = SAMPLE_REPORT._replace(tiers=SAMPLE_TIERS)
+    wire = protocol.table.MESSAGES["heartbeat"].request.fields["report"].wire(report)
     wire[message_types.WorkerReport._fields.index(field)] = value
     return wire
 
 
+def tier_with(field: str, value: object, tier: str = "disk") -> list:
+    """SAMPLE_TIERS' disk tier on the wire, with one field replaced."""
+    wire = report_with("pages_free", 90)[-1][-1]
+    assert wire[0] == "disk"
+    wire[message_types.TierFigures._fields.index(field)] = value
+    return [tier, *wire[1:]] if field != "tier" else wire
+
+
+SAMPLE_DISK = tier_with("tier", "disk")
+BAD_TIERS = [
+    {"disk": SAMPLE_DISK[1:]},
+    [tier_with("tier", "ssd")],  # not a tier of TIERS
+    [tier_with("tier", 3)],
+    [tier_with("tier", "")],
+    [SAMPLE_DISK, SAMPLE_DISK],  # a tier twice
+    [SAMPLE_DISK, tier_with("pages", 1, tier="host")],  # not top down
+    [SAMPLE_DISK] * 4,  # more tiers than there are
+    [SAMPLE_DISK[:-1]],  # a field short
+    [[*SAMPLE_DISK, 0]],  # one too many
+    [tier_with("pages", -1)],
+    [tier_with("bytes_read", 1.5)],
+    [tier_with("accepting", 2)],
+    [tier_with("accepting", True)],
+    [tier_with("evictions", {f"r{i}": 1 for i in range(MAX_REPORT_REASONS + 1)})],
+    [tier_with("dropped", {f"r{i}": 1 for i in range(MAX_REPORT_REASONS + 1)})],
+    [tier_with("dropped", {"corrupt": -1})],
+    [tier_with("dropped", [["corrupt", 1]])],
+    [tier_with("load_seconds", [[0] * 12, 0.0])],  # TTFT's buckets, not LOAD_BUCKETS
+    [tier_with("load_seconds", [[0] * 13, NAN])],
+]
+
+
 BAD_REPORTS = [
     [],
-    report_with("pages_free", -1)[:-1],  # a field short
+    report_with("pages_free", 90)[:-2],  # a field short, even of a report without tiers
     report_with("pages_free", -1),
     report_with("pages_cached", True),
     report_with("copy_bytes_remote", 1.5),
@@ -865,7 +1114,66 @@ BAD_REPORTS = [
     report_with("ttft_miss", [[0] * 12, -1.0]),
     report_with("ttft_miss", [[0] * 12, NAN]),
     report_with("ttft_miss", [[0] * 12, "0"]),
+    *(report_with("tiers", tiers) for tiers in BAD_TIERS),
 ]
+
+
+def test_a_report_without_tiers_travels_as_before_tiers_and_one_with_them_round_trips():
+    field = protocol.table.MESSAGES["heartbeat"].request.fields["report"]
+    before = field.wire(SAMPLE_REPORT)  # tiers (): the field is left off
+    assert len(before) == len(message_types.WorkerReport._fields) - 1
+    assert field.check(before, "heartbeat.report", DEFAULT_LIMITS) == SAMPLE_REPORT
+    with_tiers = SAMPLE_REPORT._replace(tiers=SAMPLE_TIERS)
+    decoded = decode(encode(Message("heartbeat", 4, Heartbeat("w0", 3, 0.5, with_tiers))))
+    assert decoded.body.report == with_tiers
+    _, disk = decoded.body.report.tiers
+    assert (
+        type(disk) is message_types.TierFigures
+        and type(disk.load_seconds) is message_types.Observed
+    )
+    assert (disk.tier, disk.evictions, disk.dropped) == (
+        "disk",
+        {"evicted": 2, "corrupt": 1},
+        {"truncated": 1, "orphan": 2},
+    )
+
+
+@pytest.mark.parametrize(
+    "tiers, code, message",
+    [
+        ([tier_with("tier", "ssd")], BAD_FIELD, r"report\.tiers\[0\]\.tier: expected one of"),
+        ([SAMPLE_DISK] * 4, TOO_LARGE, r"report\.tiers: 4 tiers exceeds the limit 3"),
+        (
+            [SAMPLE_DISK, tier_with("pages", 1, tier="host")],
+            BAD_FIELD,
+            r"report\.tiers: expected tiers top down \('device', 'host', 'disk'\), each at "
+            r"most once, got list of 2",
+        ),
+        (
+            [tier_with("dropped", {f"r{i}": 1 for i in range(MAX_REPORT_REASONS + 1)})],
+            TOO_LARGE,
+            rf"report\.tiers\[0\]\.dropped: {MAX_REPORT_REASONS + 1} reasons exceeds the limit",
+        ),
+        ([tier_with("accepting", 2)], BAD_FIELD, r"report\.tiers\[0\]\.accepting: expected 0 or 1"),
+    ],
+)
+def test_a_bad_tier_is_refused_naming_it(tiers, code, message):
+    frame = msgpack.packb(
+        {
+            "v": protocol.PROTOCOL_VERSION,
+            "t": "heartbeat",
+            "id": 5,
+            "b": {
+                "worker_id": "w0",
+                "epoch": 3,
+                "load": 0.0,
+                "report": report_with("tiers", tiers),
+            },
+        }
+    )
+    with pytest.raises(ProtocolError, match=message) as refused:
+        decode(frame)
+    assert refused.value.code == code
 
 
 INVALID = {
@@ -1138,6 +1446,12 @@ def test_missing_and_unknown_fields_are_named(kind):
         (BAD_SPANS[0], BAD_FIELD, r"\[1\]: expected \[worker_id, tier, page_ids"),
         (BAD_SPANS[15], TOO_LARGE, r"\[1\]\.worker_id: 257 chars"),
         (BAD_SPANS[10], TOO_DEEP, r": nests deeper than the 4 levels allowed"),  # int lists
+        (BAD_SPANS[21], BAD_FIELD, r"\[1\]\.tier: expected a tier, one of \('device', 'host'"),
+        (BAD_SPANS[22], BAD_FIELD, r"\[1\]\.tiers: 1 tiers for 2 pages"),
+        (BAD_SPANS[23], BAD_FIELD, r"\[1\]\.tiers\[1\]: 3 is not the index of a tier"),
+        (BAD_SPANS[24], BAD_FIELD, r"\[1\]\.tiers\[0\]: 'disk', but the span's tier is 'host'"),
+        (BAD_SPANS[25], BAD_FIELD, r"\[1\]\.tiers: expected bytes, one tier index per page"),
+        (BAD_SPANS[26], BAD_FIELD, r"\[1\]: expected \[worker_id, tier, page_ids"),
     ],
 )
 def test_malformed_spans_are_named(span, code, message):
@@ -1164,7 +1478,7 @@ def test_the_lists_and_maps_of_a_frame_are_bounded_all_together():
 
 def test_span_counts_are_bounded():
     limits = Limits(max_tokens=4, max_list_len=7)  # 7: the keys of the largest body
-    span = ["w", "cpu", struct.pack("<4i", 0, 1, 2, 3), struct.pack("<4q", 0, 0, 0, 0)]
+    span = ["w", "host", struct.pack("<4i", 0, 1, 2, 3), struct.pack("<4q", 0, 0, 0, 0)]
     frame = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 7}, r=MATCH)
     assert len(decode(frame, "reply", limits=limits).body.spans) == 7
     too_many = raw_frame(OK, {"matched_tokens": 16, "spans": [span] * 8}, r=MATCH)
@@ -1174,7 +1488,7 @@ def test_span_counts_are_bounded():
     with pytest.raises(ProtocolError, match="spans: 8 items exceeds max_list_len 7") as info:
         check_spans([span] * 8, "match.reply.spans", limits)
     assert info.value.code == TOO_LARGE
-    long = ["w", "cpu", struct.pack("<5i", *range(5)), struct.pack("<5q", *range(5))]
+    long = ["w", "host", struct.pack("<5i", *range(5)), struct.pack("<5q", *range(5))]
     too_long = raw_frame(OK, {"matched_tokens": 20, "spans": [long]}, r=MATCH)
     with pytest.raises(ProtocolError, match="page_ids: 5 pages exceeds max_tokens 4") as info:
         decode(too_long, "reply", limits=limits)
@@ -1309,8 +1623,8 @@ def test_limits_are_validated():
         "max_depth": 8,
         "max_containers": 16384,
     }
-    with pytest.raises(ValueError, match="max_depth 4 is below 5"):
-        Limits(max_depth=4)
+    with pytest.raises(ValueError, match="max_depth 6 is below 7"):
+        Limits(max_depth=6)
     with pytest.raises(ValueError, match="max_tokens"):
         Limits(max_tokens=0)
     with pytest.raises(ValueError, match="max_str_len"):
@@ -1330,7 +1644,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=6), BAD_VERSION),  # the version before routing policies
         (raw_frame(MATCH, {}, v=7), BAD_VERSION),  # the version before health in reports
         (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before capacities and spot checks
-        (raw_frame(MATCH, {}, v=10), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=9), BAD_VERSION),  # the version before page tiers
+        (raw_frame(MATCH, {}, v=11), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),
@@ -1590,7 +1905,7 @@ def test_long_lists_take_the_careful_way():
     events = [PagesRemoved((page,), "evicted") for page in range(300)]  # over 128 items
     body = PublishEvents("w0", 1, 1, events)
     assert decode(encode(Message("events", 3, body))).body.events == events
-    spans = tuple(HolderSpan(f"w{i}", "cpu", (i,), (0,)) for i in range(200))
+    spans = tuple(HolderSpan(f"w{i}", "host", (i,), (0,)) for i in range(200))
     reply = ok_reply(GOOD_MATCH, MatchResult(4, spans))
     assert decode(encode(reply), "reply").body.spans == spans
     loads = {f"w{i}": 0.5 for i in range(40)}  # a map of over 16 keys

@@ -109,8 +109,35 @@ def test_the_queue_term_is_weighted_by_load_weight():
     assert route(both, held, nodes={"a": "n1"}, load_weight=0.0).worker_id == "a"
 
 
+def test_a_prefix_on_disk_costs_its_read_but_never_more_than_computing_it():
+    # a holds 960 of the 1,000 tokens, all on its disk; b holds 640, in host memory.
+    held, nodes, host = {"a": 960, "b": 640}, {"a": "n1", "b": "n1"}, {"a": 0}
+
+    def route_with(disk_s: float, held_host=host) -> RouteDecision:
+        both = candidates(("a", "n1", 0, 0), ("b", "n1", 0, 0))
+        both = [c._replace(load=c.load._replace(disk_s=disk_s)) for c in both]
+        return EstimatedTtft().choose(RouteInputs(both, 1000, held, nodes, {}, 1.0, held_host))
+
+    # A disk read of 1 ms a token: a reads 960 (0.96 s); b copies a's 320 tokens past
+    # its own from a's disk, at a's read cost (0.32 s), and computes the same 40.
+    assert route_with(1e-3) == RouteDecision(
+        "b", 640, pytest.approx(2e-3 * 40 + 1e-5 * 320 + 1e-3 * 320), "prefix"
+    )
+    # A disk as fast as a copy: a's own disk is as good as b's host memory (a tie within
+    # 5%: the worker holding more keeps it).
+    assert route_with(1e-5) == RouteDecision(
+        "a", 960, pytest.approx(2e-3 * 40 + 1e-5 * 960), "prefix"
+    )
+    # A disk slower than computing costs what computing costs (a worker then computes).
+    assert route_with(1.0).score == pytest.approx(2e-3 * 40 + 1e-5 * 320 + 2e-3 * 320)
+    # Without held_host every held token is in host memory, as before tiers.
+    assert route_with(1e-3, held_host={}) == RouteDecision(
+        "a", 960, pytest.approx(2e-3 * 40), "prefix"
+    )
+
+
 def test_reports_become_the_loads_routing_weighs():
-    from cache_service.messages import EMPTY_REPORT
+    from cache_service.messages import EMPTY_REPORT, Observed, TierFigures
     from cache_service.reports import WorkerReports
 
     reports = WorkerReports()
@@ -122,6 +149,9 @@ def test_reports_become_the_loads_routing_weighs():
     assert sorted(loads) == ["a", "b"]  # departed workers are no candidates
     assert loads["a"] == WorkerLoad(queued_tokens=120, running=3, prefill_s=pytest.approx(2.5e-3))
     assert loads["b"] == WorkerLoad()
+    disk = TierFigures("disk", 9, 512, 0, 0, 0, {}, 0, Observed((), 0.0), 900, 1, 0, {})
+    reports.update("b", EMPTY_REPORT._replace(tiers=(disk,)))
+    assert reports.loads()["b"] == WorkerLoad(disk_s=pytest.approx(9e-7))
 
 
 # ---- the other policies and the registry -------------------------------------------------

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from cache_service import handlers, protocol
 from cache_service.auth import KeyPair, MeshKeys
-from cache_service.events import Namespace
+from cache_service.events import Namespace, PagesDemoted, PagesRemoved, PagesStored
 from cache_service.index import OwnerError
-from cache_service.messages import GetStats, PeerEntry, StatsReply
+from cache_service.messages import GetStats, HolderSpan, PeerEntry, PublishEvents, StatsReply
 from cache_service.server import ServerConfig, make_server
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
@@ -118,6 +118,39 @@ def test_duplicate_batch_is_idempotent(server):
     assert (first.applied, again.applied, again.reason) == (True, False, "duplicate")
     assert first.last_seq == again.last_seq == pub.seq + 1
     assert server.stats()["pages"] == 2
+
+
+def test_tiers_travel_and_a_bad_tier_gets_an_error_reply(server):
+    client = _client(server)
+    epoch = client.register("a", "node-1").epoch
+    tokens = tuple(range(12))
+    chain = PagesStored(NS, None, (0, 1, 2), (1, 1, 1), tokens)
+    assert client.publish_events("a", epoch, 1, [chain]).applied
+    # A batch naming a tier the service does not know, as some sender might write it:
+    # refused whole with an error reply that names the field, and nothing changes.
+    demoted = PagesDemoted((2,), (102,), (2,), "disk")
+    frame = protocol.encode(protocol.request(1, PublishEvents("a", epoch, 2, [demoted])))
+    body = msgpack.unpackb(frame)
+    body["b"]["events"][0][4] = "tape"
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger, socket.rcvtimeo = 0, 2000
+    socket.connect(server.address)
+    try:
+        socket.send(msgpack.packb(body))
+        reply = protocol.decode(socket.recv(), "reply")
+    finally:
+        socket.close(linger=0)
+    assert reply.type == protocol.ERROR and reply.body.code == protocol.BAD_FIELD
+    assert reply.body.message.startswith("events.events[0].tier: expected a tier")
+    # The service keeps serving, and the same seq applies once the tier is right.
+    assert client.publish_events("a", epoch, 2, [demoted]).applied
+    matched, spans = client.match(NS, list(tokens))
+    assert (matched, spans) == (12, (HolderSpan("a", "host", (0, 1, 102), (1, 1, 2), b"\1\1\2"),))
+    assert spans[0].tier_of(2) == "disk"
+    assert client.publish_events("a", epoch, 3, [PagesRemoved((102,), "evicted", "disk")]).applied
+    stats = client.stats()
+    assert stats["tiers"] == {"device": 0, "host": 2, "disk": 0}
+    assert stats["removals"] == {"disk": {"evicted": 1}} and stats["demotions"] == {"disk": 1}
 
 
 def test_heartbeat_of_unknown_worker_is_an_error_reply(server):

@@ -162,7 +162,25 @@ def ttft(hit, miss) -> dict:
     return {"hit": summary(*hit), "miss": summary(*miss)}
 
 
-def dashboard(epoch, workers, tenants, history, ttft_figures, quarantined=()) -> dict:
+def tier_row(tier, hit_tokens, served, pages, capacity, evictions, **own) -> dict:
+    """A row of "tiers"; `own`: the figures of workers that report the tier (none: null)."""
+    counters = ("workers", "accepting", "bytes_written", "bytes_read", "demotions", "errors")
+    row = {
+        "tier": tier,
+        "hit_tokens": hit_tokens,
+        "hit_rate": hit_tokens / served,
+        "pages": pages,
+        "capacity": capacity,
+        "evictions": evictions,
+        **{name: own.get(name) for name in counters},
+        "dropped": own.get("dropped"),
+    }
+    row["workers"] = row["workers"] or 0
+    row["accepting"] = row["accepting"] or 0
+    return row
+
+
+def dashboard(epoch, workers, tenants, history, ttft_figures, quarantined=(), tiers=()) -> dict:
     figures = [sum(w[key] for w in workers) for key in ("local_hit", "remote_hit", "computed")]
     totals = tokens("-", "", sum(w["requests"] for w in workers), *figures)
     del totals["-"]
@@ -181,6 +199,7 @@ def dashboard(epoch, workers, tenants, history, ttft_figures, quarantined=()) ->
         "evictions": evictions,
         "ttft": ttft_figures,
         "quarantined": list(quarantined),
+        "tiers": list(tiers),
     }
 
 
@@ -219,6 +238,26 @@ SECOND = dashboard(
     ttft_figures=ttft((36, 5.4), (25, 29.5)),
     quarantined=[
         {"holder": "<i>w9</i>", "reporter": "w0", "since": T0, "evidence": "page 3: 0.81"}
+    ],
+    # Of the 5100 local hits, 1100 came from disk; the 2400 remote hits count for host.
+    # Host memory: no worker reports figures of its own for it (null: shown as "–").
+    tiers=[
+        tier_row("host", 4000 + 2400, 15400, 122, 384, {"evicted": 25, "expired": 4}),
+        tier_row(
+            "disk",
+            1100,
+            15400,
+            900,
+            4096,
+            {"evicted": 20, "corrupt": 2},
+            workers=2,
+            accepting=1,
+            bytes_written=7 << 19,  # 3.5 MiB
+            bytes_read=1536,
+            demotions=900,
+            errors=3,
+            dropped={"truncated": 1, "orphan": 2},
+        ),
     ],
 )
 
@@ -296,6 +335,35 @@ def worker_cells(row: dict) -> dict[str, str]:
     }
 
 
+def byte_count(value) -> str:
+    if value is None:
+        return "–"
+    units, unit = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while value >= 1024 and unit < len(units) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{value} B" if unit == 0 else f"{value:.1f} {units[unit]}"
+
+
+def tier_cells(row: dict) -> dict[str, str]:
+    def count(value) -> str:
+        return "–" if value is None else integer(value)
+
+    return {
+        "name": row["tier"],
+        "pages": integer(row["pages"]),
+        "capacity": integer(row["capacity"]),
+        "hit-tokens": integer(row["hit_tokens"]),
+        "hit-share": percent(row["hit_rate"]),
+        "written": byte_count(row["bytes_written"]),
+        "read": byte_count(row["bytes_read"]),
+        "demotions": count(row["demotions"]),
+        "evictions": integer(sum(row["evictions"].values())),
+        "accepting": f"{row['accepting']} of {row['workers']}" if row["workers"] else "–",
+        "dropped": count(row["dropped"] and sum(row["dropped"].values())),
+        "errors": count(row["errors"]),
+    }
+
+
 def test_the_worked_figures_are_what_the_contract_says():
     # The reference the browser test holds the page to, pinned by hand.
     steps = intervals(SECOND["history"])
@@ -313,6 +381,23 @@ def test_the_worked_figures_are_what_the_contract_says():
     assert percent(0.0625) == "6.3%" and percent(0.5) == "50.0%"  # 6.25 is a tie: up
     ttft_hit = [mean_increase(a["ttft_hit"], b["ttft_hit"]) for a, b in pairs(SECOND["history"])]
     assert ttft_hit == [pytest.approx(0.15), None, pytest.approx(0.15), pytest.approx(0.15)]
+    host, disk = SECOND["tiers"]
+    assert host["hit_rate"] + disk["hit_rate"] == pytest.approx(SECOND["totals"]["hit_rate"])
+    assert tier_cells(disk) == {
+        "name": "disk",
+        "pages": "900",
+        "capacity": "4096",
+        "hit-tokens": "1100",
+        "hit-share": "7.1%",
+        "written": "3.5 MiB",
+        "read": "1.5 KiB",
+        "demotions": "900",
+        "evictions": "22",
+        "accepting": "1 of 2",
+        "dropped": "3",
+        "errors": "3",
+    }
+    assert [tier_cells(host)[k] for k in ("written", "accepting", "dropped")] == ["–"] * 3
 
 
 # ---- routes and headers ----------------------------------------------------------------
@@ -579,6 +664,7 @@ def test_the_page_shows_the_figures_it_is_served(ports, page):
     assert js(page, "document.getElementById('requests').textContent") == "38"
     assert js(page, "document.getElementById('epoch').textContent") == "3"
     assert js(page, "document.getElementById('quarantine-card').hidden")  # none in FIRST
+    assert js(page, "document.getElementById('tiers-card').hidden")  # nor tiers
     assert "token" not in page.current_url  # kept in the cookie, out of the address bar
 
     feed.state = SECOND
@@ -605,6 +691,9 @@ def test_the_page_shows_the_figures_it_is_served(ports, page):
     tenants, workers = SECOND["tenants"], SECOND["workers"]
     assert rows(page, "tenants", "tenant") == {t["tenant"]: token_cells(t) for t in tenants}
     assert rows(page, "workers", "worker") == {w["worker"]: worker_cells(w) for w in workers}
+    # the tiers, top down: each one's share of all prompt tokens, and its own figures
+    assert not js(page, "document.getElementById('tiers-card').hidden")
+    assert rows(page, "tiers", "tier") == {t["tier"]: tier_cells(t) for t in SECOND["tiers"]}
     # a member in quarantine shows, with who reported it, when (UTC) and why
     assert not js(page, "document.getElementById('quarantine-card').hidden")
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(T0))

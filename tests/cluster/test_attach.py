@@ -54,6 +54,7 @@ STATS_KEYS = {
     "workers",
     "tenants",
     "service",
+    "tiers",
 }
 
 

@@ -44,6 +44,10 @@ def test_empty_mapping_gives_defaults():
         ({"model": {"name": "gpt-9"}}, "model.name: unknown model 'gpt-9'; known: smollm2-135m"),
         ({"model": {"dtype": "int8"}}, "model.dtype must be one of float32, bfloat16"),
         ({"store": {"device": "cuda"}}, "store.device 'cuda' is not supported"),
+        ({"store": {"disk": {"policy": "lazy"}}}, "store.disk.policy 'lazy': one of write_back"),
+        ({"store": {"disk": {"pages": -3}}}, "store.disk.pages must be >= 0"),
+        ({"store": {"disk": {"size": 3}}}, "unknown key 'store.disk.size'"),
+        ({"store": {"disk": {"pages": 1 << 30}}}, "store.disk.pages is at most 131072"),
         ({"model": []}, "model must be a mapping, got list"),
         ({"compaction": {"policy": "lru"}}, "unknown compaction policy 'lru'; known: none, h2o"),
         ({"compaction": {"policy": "h2o", "params": {"recnt": 1}}}, "takes no parameter recnt"),
@@ -109,3 +113,17 @@ def test_tenant_figures_show_to_tokenless_clients_only_when_allowed():
         config_from_dict({"service": {"metrics_show_tenants": "yes"}})
     with pytest.raises(ConfigError, match="unknown key 'service.metrics_show_tenant'"):
         config_from_dict({"service": {"metrics_show_tenant": True}})
+
+
+def test_the_disk_tier_is_on_in_the_shipped_configs_and_sized_in_pages():
+    for name in ("local.yaml", "multinode.yaml"):
+        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+        disk = cfg.store.disk
+        assert disk.enabled and disk.policy == "write_back" and not disk.keep
+        settings = disk.settings(cfg.store_layout().page_bytes)
+        assert settings.pages == disk.bytes // cfg.store_layout().page_bytes
+    assert KvmeshConfig().store.disk.settings(1000) is None  # off unless a config asks
+    counted = config_from_dict({"store": {"disk": {"enabled": True, "pages": 7}}})
+    assert counted.store.disk.settings(1000).pages == 7
+    tiny_pages = config_from_dict({"store": {"disk": {"enabled": True, "bytes": 1 << 40}}})
+    assert tiny_pages.store.disk.settings(8192).pages == 1 << 17  # bounded, whatever fits

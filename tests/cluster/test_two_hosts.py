@@ -228,6 +228,19 @@ def kvmesh_sockets(status: dict) -> set[tuple[str, str]]:
     return {split(a) for a in [status["service_address"], *(w["address"] for w in workers)]}
 
 
+def run_in_a(hosts: TwoHosts, name: str, text: str) -> dict:
+    """Run a driver script in host A (given Ray's address and both hosts' addresses);
+    the JSON object its last line prints."""
+    script = hosts.logs / name
+    script.write_text(text)
+    run = hosts.a.run(
+        str(sys.executable), str(script), hosts.ray_address, hosts.a.address, hosts.b.address,
+        env=hosts.env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts, mesh_down):
     kvmesh = str(BIN / "kvmesh")
     up = hosts.a.run(
@@ -259,14 +272,8 @@ def test_a_prompt_computed_on_one_host_is_copied_to_the_other(hosts, mesh_down):
         host = next(h for h, ids in by_host.items() if worker_id in ids)
         assert split(worker["address"])[0] == host  # its page server, on its own host
 
-    script = hosts.logs / "mesh_requests.py"  # not requests.py: that would shadow a module
-    script.write_text(REQUESTS)
-    run = hosts.a.run(
-        str(sys.executable), str(script), hosts.ray_address, hosts.a.address, hosts.b.address,
-        env=hosts.env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # Not requests.py: that would shadow a module.
+    result = run_in_a(hosts, "mesh_requests.py", REQUESTS)
     cold, first, copied = result["cold"], result["first"], result["copied"]
     assert cold["computed_tokens"] == cold["prompt_tokens"]  # the no-cache run
     assert first["computed_tokens"] == first["prompt_tokens"]  # tenants share nothing
@@ -451,6 +458,54 @@ def test_a_network_cut_expires_the_far_worker_and_healing_brings_it_back(hosts, 
     finally:
         driver.close()
     down = hosts.a.run(kvmesh, "down", env=hosts.env)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not kvmesh_segments()
+
+
+# Inside host A: B's worker computes prompts until the first ones are only on its disk;
+# A's worker then copies the first through B's page server.
+DISK_REQUESTS = """\
+import json, sys
+import cluster
+mesh = cluster.connect(address=sys.argv[1])
+on = {node["address"]: node["workers"] for node in mesh.stats()["nodes"].values()}
+a, b = on[sys.argv[2]][0], on[sys.argv[3]][0]
+prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(70)] for i in range(6)]  # 4 pages + 6
+reference = mesh.generate(prompts[0], 4, tenant="disk", worker=a, reuse=False).token_ids
+for p in prompts:
+    mesh.generate(p, 4, tenant="disk", worker=b)
+mesh.flush()
+before = mesh.stats()
+copied = mesh.generate(prompts[0], 4, tenant="disk", worker=a)
+mesh.flush()  # the workers' figures reach the service with this heartbeat
+after = mesh.stats()
+mesh.check_integrity()
+print(json.dumps({"copied": copied.stats, "ok": copied.token_ids == reference,
+                  "disk": [before["tiers"].get("disk"), after["tiers"].get("disk")],
+                  "served": [before["workers"][b]["pages_served"],
+                             after["workers"][b]["pages_served"]],
+                  "a_copy_bytes": after["workers"][a]["copy_bytes"]}))
+mesh.shutdown()
+"""
+
+
+def test_a_prompt_only_on_one_hosts_disk_is_copied_through_its_page_server(hosts, mesh_down):
+    """B's worker holds a prompt only in its disk tier (its shared memory took later
+    prompts); A's worker copies it across the veth pair from B's page server, which reads
+    and verifies each record, and answers as a run without any cache does."""
+    cfg = up_tiny(hosts, "disk", num_pages=12)
+    result = run_in_a(hosts, "disk_requests.py", DISK_REQUESTS)
+    print(f"\ncopied from a disk on the other host: {json.dumps(result)}")
+    page_tokens = cfg["cache"]["page_tokens"]
+    page_bytes = load_config(hosts.logs / "disk.yaml").store_layout().page_bytes
+    assert result["ok"]
+    assert result["copied"]["remote_hit_tokens"] == 4 * page_tokens
+    before, after = result["disk"]
+    assert before["demotions"] > 0
+    assert after["bytes_read"] - before["bytes_read"] == 4 * page_bytes  # B's disk, for A
+    assert result["served"][1] - result["served"][0] == 4
+    assert result["a_copy_bytes"] == {"same_node": 0, "remote": 4 * page_bytes}
+    down = hosts.a.run(str(BIN / "kvmesh"), "down", env=hosts.env)
     assert down.returncode == 0, down.stderr[-3000:]
     assert not kvmesh_segments()
 

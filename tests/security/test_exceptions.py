@@ -22,10 +22,13 @@ from cache_service.index import OwnerError, RegistryFull, StaleEpoch
 from cache_service.protocol import ProtocolError
 from cluster.config import ConfigError
 from cluster.errors import KvmeshError, LaunchError, MeshError, PlacementError
+from workers.engines.kv_layouts import KVLayoutError
 from workers.errors import DeadlineExceeded, RequestCancelled, RequestEnded, ServingStopped
 from workers.service.client import ServiceError, ServiceSkipped, ServiceUnavailable
 from workers.serving.model_loader import LayoutMismatchError, ModelNotFoundError
+from workers.store.disk_records import DiskTierError
 from workers.store.layout import (
+    CudaIpcError,
     NotOwnerError,
     PageStoreError,
     SegmentFormatError,
@@ -58,7 +61,10 @@ SAMPLES = [
     ),
     (RequestCancelled("request 'r1' was cancelled by its caller"), ()),
     (PageStoreError("closed"), ()),
+    (DiskTierError("disk tier directory /d is in use"), ()),
     (NotOwnerError("read-only"), ()),
+    (CudaIpcError("store 'kvmesh-1-2-x' keeps its pages on cpu"), ()),
+    (KVLayoutError("a KV cache of shape (4, 2, 16, 128): two layouts fit"), ()),
     (SegmentFormatError("bad magic"), ()),
     (SegmentNotFoundError("no segment kvmesh-1-2-x"), ()),
     (LayoutMismatchError("num_layers: store 2, model 30"), ()),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from cache_service.server import ServerConfig, make_server
+from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_loader import tiny_llama
 from workers.worker import Worker, WorkerSettings
@@ -29,6 +32,8 @@ def make_worker(
     pages: int = 64,
     copy_policy: str = "always",
     model=None,
+    disk: DiskSettings | None = None,
+    secret: bytes = b"",
 ) -> Worker:
     """A worker in this process on `service` (the tiny model unless `model` is given),
     publishing only when told (`flush`). Copies whatever is cached by default: the tests
@@ -44,6 +49,8 @@ def make_worker(
         service_address=service.address,
         publish_interval_s=60.0,
         copy_policy=copy_policy,
+        disk=disk,
+        mesh_secret=secret,
     )
     return Worker(settings, model=model if model is not None else tiny_llama(), tokenizer=None)
 
@@ -55,3 +62,21 @@ def worker(service):
     yield worker
     worker.check_integrity()
     worker.shutdown()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 128 KiB tmpfs, mounted for the test: a disk that fills up (15 records of the
+    disk tests' tiny layout after the lock and file header)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k,mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {done.stderr.decode()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)

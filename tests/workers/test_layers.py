@@ -4,6 +4,7 @@ module of it loads, and so what it may depend on.
     engines/  worker.py  actor.py (Ray)       the members' own compute, and the Ray seam
          \\      |      /
           member.py   api.py                  one mesh member; the typed seam
+          disk_link.py                        its disk tier under host memory
          /    |    \\    \\
     service/ transfer/ serving/               the service link, moving pages, serving
          \\      |      /
@@ -77,8 +78,23 @@ FORBIDDEN = {
     # What a request ends with, read by the front door, the API and the engine alike.
     "workers.errors": ["torch", "numpy", "ray", "zmq", "workers.serving", "workers.member"],
     "workers.serving.compaction.config": ["torch", "ray", "zmq"],
+    "workers.cache.disk_settings": ["torch", "ray", "zmq", "numpy"],
+    # The disk below host memory: cache, store and transfer glued, like the member.
+    "workers.disk_link": ["ray", "transformers", "workers.serving", *ABOVE_MEMBER],
     "workers.store.layout": ["torch", "ray", "zmq"],
+    # CUDA IPC is loaded only for a CUDA store, when one is placed or opened.
+    "workers.store.page_store": ["ray", "zmq", "workers.store.cuda_ipc"],
     "workers.engines.engine": ["ray", "transformers", "workers.serving", "workers.worker"],
+    # vLLM's KV layouts and the copies on a device: run by the GPU checks on machines
+    # without vLLM, Ray or ZeroMQ.
+    **{
+        module: ["vllm", "ray", "zmq", "workers.member", "workers.engines.engine"]
+        for module in (
+            "workers.engines.kv_layouts",
+            "workers.engines.kv_copier",
+            "benchmarks.gpu_checks.layouts",
+        )
+    },
     "workers.worker": ["ray", "workers.actor", "workers.engines"],
     "cache_service.routing": [
         "ray",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import NamedTuple
 
 from workers.cache.eviction import EvictionPolicy
@@ -75,8 +76,13 @@ class Evictor:
             if not run.children:
                 self.push(run)
 
-    def evict(self, n: int) -> list[int]:
+    def evict(self, n: int, on_take: Callable[[Run, int], None] | None = None) -> list[int]:
         """Take up to `n` evictable pages off the trie, lowest key first.
+
+        Args:
+            n: pages wanted.
+            on_take: called with a run and `cut` just before its pages from `cut` on leave
+                (the run is still whole then): a tier below writes them down.
 
         Returns:
             The pages taken, in eviction order; the caller frees them.
@@ -100,6 +106,8 @@ class Evictor:
                 ):
                     take += 1
             cut = len(run.pages) - take
+            if on_take is not None:
+                on_take(run, cut)
             removed.extend(reversed(run.pages[cut:]))
             self.num_evictable -= take
             if cut:

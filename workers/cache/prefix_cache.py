@@ -41,15 +41,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from cache_service.events import AllCleared, KvEvent, Namespace, PagesRemoved, PagesStored
+from cache_service.events import (
+    AllCleared,
+    KvEvent,
+    Namespace,
+    PagesDemoted,
+    PagesRemoved,
+    PagesStored,
+)
 from cache_service.tokens import pack_tokens
 from workers.cache.allocation import Allocation, BatchEntry, as_token_list
 from workers.cache.config import CacheStats, PrefixCacheConfig
+from workers.cache.drops import drop_chains
 from workers.cache.events import generations_of, published_chains, stored_event
 from workers.cache.eviction import make_eviction_policy
 from workers.cache.evictor import Evictor
 from workers.cache.integrity import check_cache
 from workers.cache.runs import Run, pages_for
+from workers.cache.tiers import LowerTier, evict_down, spilled
 from workers.cache.trie import Trie
 from workers.store.digests import chain_digests
 from workers.store.page_pool import PageAllocator
@@ -64,7 +73,14 @@ class PrefixCache:
     so concurrent request threads of a worker may acquire, publish and release at once.
     """
 
-    def __init__(self, allocator: PageAllocator, config: PrefixCacheConfig | None = None):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        config: PrefixCacheConfig | None = None,
+        lower: LowerTier | None = None,
+    ):
+        """`lower`: the tier evicted pages go down to (`workers.cache.tiers`); None: an
+        evicted page is gone from the worker."""
         self.config = config or PrefixCacheConfig()
         self.page_tokens = self.config.page_tokens
         self._allocator = allocator
@@ -81,6 +97,9 @@ class PrefixCache:
         self._live: dict[int, Allocation] = {}
         self._events: list[KvEvent] = []
         self._stats = CacheStats()
+        self.lower = lower
+        if lower is not None:
+            lower.attach(self._emit)
 
     # ------------------------------------------------------------------ public API
 
@@ -176,6 +195,8 @@ class PrefixCache:
         """
         with self._lock:
             removed = self._evict(self._evictor.num_evictable, "cleared", emit=False)
+            if self.lower is not None:
+                self.lower.cleared()
             if not any(self._trie.published_runs()):
                 self._events.append(AllCleared())
             elif removed:
@@ -193,50 +214,22 @@ class PrefixCache:
         Returns:
             (pages dropped, pages of `pages` kept for now because requests hold them).
         """
-        wanted = set(pages)
         with self._lock:
-            starts: dict[Run, int] = {}
-            for run in self._trie.published_runs():
-                for i, page in enumerate(run.pages):
-                    if page in wanted:
-                        starts[run] = min(i, starts.get(run, i))
-                        break
-            removed: list[int] = []
-            held = 0
-            for run, i in starts.items():
-                if not run.alive or i >= len(run.pages):
-                    continue  # already dropped with a run before it
-                below = _runs_below(run)
-                if run.ref_count or any(r.ref_count or not r.ready for r in below):
-                    held += 1
-                    continue
-                removed += self._drop_from(run, i, below)
+            dropped = drop_chains(self._trie, self._evictor, pages)
+            removed = dropped.pages
             if removed:
+                if self.lower is not None:
+                    self.lower.dropped(dropped.digests, reason)
                 self._allocator.free(removed)
                 self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
                 self._events.append(PagesRemoved(tuple(removed), reason))
-            return len(removed), held
+            return len(removed), dropped.held
 
-    def _drop_from(self, run: Run, i: int, below: list[Run]) -> list[int]:
-        """Unreferenced `run` from its page i on, and the runs `below` it (deepest first):
-        off the trie and out of the evictable count; returns their pages, leaf first."""
-        trie, evictor = self._trie, self._evictor
-        removed: list[int] = []
-        for child in below:
-            removed.extend(reversed(child.pages))
-            evictor.num_evictable -= len(child.pages)
-            trie.remove_run(child)
-        removed.extend(reversed(run.pages[i:]))
-        evictor.num_evictable -= len(run.pages) - i
-        if i:
-            trie.trim(run, i)
-            evictor.push(run)  # its new last page: a leaf, ranked as one
-            return removed
-        parent = run.parent
-        trie.remove_run(run)
-        if parent.parent is not None and parent.ref_count == 0 and not parent.children:
-            evictor.push(parent)
-        return removed
+    def _emit(self, event: KvEvent) -> None:
+        """A tier below announces a change of its own (a record evicted or found corrupt),
+        in order with the cache's events."""
+        with self._lock:
+            self._events.append(event)
 
     def take_events(self) -> list[KvEvent]:
         """Drain the KV events (stored / removed / cleared) emitted since the last call."""
@@ -254,7 +247,15 @@ class PrefixCache:
         with self._lock:
             if drain_events:
                 self._events = []
-            return published_chains(self._trie, self._generations)
+            chains = published_chains(self._trie, self._generations)
+            if self.lower is not None:
+                host = {
+                    digest: page
+                    for run in self._trie.published_runs()
+                    for digest, page in zip(run.digests or (), run.pages, strict=False)
+                }
+                chains += self.lower.snapshot(host)
+            return chains
 
     def stats(self) -> dict[str, object]:
         """Counters plus the page accounting (free / cached / in use / total)."""
@@ -431,6 +432,10 @@ class PrefixCache:
         event = stored_event(allocation.namespace, parent_page, pages, key, self._generations)
         self._events.append(event)
         self._stats.published_pages += len(pages)
+        if self.lower is not None:
+            self.lower.published(
+                [s for run in newly for s in spilled(run, 0, len(run.pages), step)]
+            )
         return len(pages)
 
     def _release(self, allocation: Allocation) -> None:
@@ -486,14 +491,39 @@ class PrefixCache:
 
     def _evict(self, n: int, reason: str, emit: bool = True) -> list[int]:
         """Evict up to `n` pages by policy and free them, counted under `reason`;
-        announced as PagesRemoved unless `emit` is off. Returns the pages."""
-        removed = self._evictor.evict(n)
-        if removed:
-            self._allocator.free(removed)
-            self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
-            if emit:
-                self._events.append(PagesRemoved(tuple(removed), reason))
+        announced as PagesRemoved unless `emit` is off. Returns the pages.
+
+        With a tier below, evicted pages ("evicted" only) go down to it first: those it
+        takes are announced as PagesDemoted and counted as "demoted"."""
+        if self.lower is None or reason != "evicted":
+            removed = self._evictor.evict(n)
+            if removed:
+                self._removed(removed, reason, emit)
+            return removed
+        removed, moved, gone = evict_down(self._evictor, self.lower, n, self._step)
+        if not removed:
+            return removed
+        self._allocator.free(removed)
+        if moved:
+            self._stats.evictions["demoted"] = self._stats.evictions.get("demoted", 0) + len(moved)
+            self._events.append(
+                PagesDemoted(
+                    tuple(page for page, _ in moved),
+                    tuple(place[0] for _, place in moved),
+                    tuple(place[1] for _, place in moved),
+                    self.lower.name,
+                )
+            )
+        if gone:
+            self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(gone)
+            self._events.append(PagesRemoved(tuple(gone), reason))
         return removed
+
+    def _removed(self, removed: list[int], reason: str, emit: bool) -> None:
+        self._allocator.free(removed)
+        self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
+        if emit:
+            self._events.append(PagesRemoved(tuple(removed), reason))
 
     # ------------------------------------------------------------------ integrity
 
@@ -503,14 +533,3 @@ class PrefixCache:
         digests as `workers.cache.integrity.check_cache` lists them."""
         with self._lock:
             check_cache(self._allocator, self._trie, self._evictor, self._live.values())
-
-
-def _runs_below(run: Run) -> list[Run]:
-    """Every run under `run`, children after their descendants (deepest first)."""
-    order: list[Run] = []
-    stack = list(run.iter_children())
-    while stack:
-        child = stack.pop()
-        order.append(child)
-        stack.extend(child.iter_children())
-    return order[::-1]

@@ -29,8 +29,9 @@ import torch
 from cache_service.events import Namespace
 from cache_service.messages import HolderSpan
 from workers.cache.prefix_cache import PrefixCacheConfig
-from workers.engines.blocks import blocks_to_pages, pages_to_blocks
 from workers.engines.enrollment import SERVICE_BACKOFF_S, Enrollment
+from workers.engines.kv_copier import KVCopier
+from workers.engines.kv_layouts import LayerKV
 from workers.member import MeshMember, look_up_peer
 from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, recover
 from workers.store.layout import StoreLayout
@@ -85,6 +86,7 @@ class EngineCache:
         layout: the store's layout (`engine_layout`).
         block_size: vLLM's tokens per block (a multiple of the layout's page_tokens).
         publish_interval_s: how often the publisher heartbeats and sends events.
+        device: where vLLM's caches live (pages cross to the store through `KVCopier`).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class EngineCache:
         layout: StoreLayout,
         block_size: int,
         publish_interval_s: float = 0.5,
+        device: torch.device | str = "cpu",
     ):
         self.enrollment = enrollment
         self.worker_id = enrollment.worker_id
@@ -102,7 +105,7 @@ class EngineCache:
         self.page_server = self.member.page_server
         self._lock = threading.Lock()
         self.pages_per_block = block_size // layout.page_tokens
-        self._staging: torch.Tensor | None = None  # see `_staged`
+        self.copier = KVCopier(device, layout.page_shape, layout.torch_dtype, block_size)
         self.loaded_blocks = 0
         self.saved_pages = 0
         self.member.start()
@@ -117,9 +120,14 @@ class EngineCache:
         from a peer and computed (the heartbeat's hit rates)."""
         self.member.figures.admitted(salt, local, remote, computed)
 
-    def save(self, spec: SaveSpec, layers: Sequence[torch.Tensor]) -> int:
+    def save(self, spec: SaveSpec, layers: Sequence[LayerKV]) -> int:
         """Keep a request's full prompt blocks as pages and publish them; returns the
-        pages written (those the store did not hold). A full store keeps nothing."""
+        pages written (those the store did not hold). A full store keeps nothing.
+
+        Args:
+            spec: the request's blocks.
+            layers: vLLM's caches as views (`kv_layouts.layer_views`).
+        """
         p, k = self.store.layout.page_tokens, self.pages_per_block
         with self._lock:
             allocation = self._acquire(spec)
@@ -131,7 +139,7 @@ class EngineCache:
                 written = 0
                 if first_block < len(spec.block_ids):
                     blocks = spec.block_ids[first_block:]
-                    pages = blocks_to_pages(layers, blocks, p, self._staged(len(blocks) * k))
+                    pages = self.copier.gather(layers, blocks)
                     for i in range(have, len(spec.block_ids) * k):
                         self.store.write_page(allocation.pages[i], pages[i - first_block * k])
                         written += 1
@@ -142,12 +150,13 @@ class EngineCache:
         self.member.publisher.nudge()
         return written
 
-    def load(self, spec: LoadSpec, layers: Sequence[torch.Tensor]) -> set[int]:
+    def load(self, spec: LoadSpec, layers: Sequence[LayerKV]) -> set[int]:
         """Copy a request's blocks [first, end) into vLLM's blocks: from this store where it
         holds them, else from the holders, each page validated. Returns the vLLM block ids
         that could not be filled (vLLM recomputes from the first of them): a block with a
         page that failed fails, and so does every block after it, since KV past a gap is
-        never used."""
+        never used. On CUDA the copy into vLLM's blocks is queued on a stream of its own:
+        `loads_done` before the forward."""
         p, k = self.store.layout.page_tokens, self.pages_per_block
         start = time.perf_counter()
         with self._lock:
@@ -157,11 +166,11 @@ class EngineCache:
             try:
                 end = self._copy_in(allocation, spec) // k  # whole blocks only
                 if end > spec.first:
-                    staged = self._staged((end - spec.first) * k)
+                    staged = self.copier.host_pages((end - spec.first) * k)
                     pages = self.store.read_pages(
                         allocation.pages[spec.first * k : end * k], staged
                     )
-                    pages_to_blocks(pages, layers, spec.block_ids[spec.first : end])
+                    self.copier.scatter(pages, layers, spec.block_ids[spec.first : end])
                 allocation.publish(end * k * p)
             finally:
                 allocation.release()
@@ -178,19 +187,9 @@ class EngineCache:
         self.member.publisher.nudge()
         return set(spec.block_ids[max(end, spec.first) :])
 
-    def _staged(self, pages: int) -> torch.Tensor:
-        """A staging buffer of `pages` pages, between vLLM's blocks and the store. Kept
-        across calls (grown in whole blocks): a fresh tensor of a load's size (23 MB for
-        1,024 SmolLM2 tokens) costs more in first-touch page faults than the copies
-        themselves, and a load is on the request's time to first token."""
-        if self._staging is None or self._staging.shape[0] < pages:
-            k = self.pages_per_block
-            size = -(-pages // k) * k
-            self._staging = None
-            self._staging = torch.zeros(
-                (size, *self.store.layout.page_shape), dtype=self.store.layout.torch_dtype
-            )
-        return self._staging[:pages]
+    def loads_done(self) -> None:
+        """Make vLLM's forward wait for the loads queued this step (see `KVCopier`)."""
+        self.copier.loads_done()
 
     def _acquire(self, spec: LoadSpec | SaveSpec) -> Any:
         """The spec's pages, every one the store holds counted as held. The cache always

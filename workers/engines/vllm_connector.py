@@ -32,8 +32,12 @@ vLLM makes one connector in its scheduler process and one in each worker process
   through `get_block_ids_with_load_errors`, and vLLM recomputes from there
   (`kv_load_failure_policy: recompute`): never wrong KV, never a hung request.
 
-Loads are synchronous (the forward waits for them): a page copy in shared memory is a
-memcpy, well below a prefill of the same tokens.
+Loads complete before the forward: on the CPU they are done when `start_load_kv`
+returns (a page copy in shared memory is a memcpy, well below a prefill of the same
+tokens); on CUDA they are queued on a stream of their own that the forward's stream waits
+for, whole (`workers.engines.kv_copier`). vLLM's KV layout is read at `register_kv_caches`
+from its tensors and its attention backend's name (`workers.engines.kv_layouts`); a
+layout kvmesh does not read, or could read more than one way, stops the engine there.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from workers.engines.blocks import engine_layout, kv_layers
 from workers.engines.engine import EngineCache, EngineIndex, LoadSpec, SaveSpec
 from workers.engines.enrollment import default_engine_id, engine_namespace, join_mesh
+from workers.engines.kv_layouts import (
+    KVLayout,
+    KVLayoutError,
+    LayerKV,
+    detect_layout,
+    layer_views,
+    layout_of_shape_fn,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,7 +126,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self.kv_format = _kv_format(vllm_config, self.enrollment.page_tokens)
         self.index: EngineIndex | None = None
         self.engine: EngineCache | None = None
-        self._layers: list[torch.Tensor] = []
+        self._layers: list[LayerKV] = []
         self._load_errors: set[int] = set()
         self._unfilled: dict[str, int] = {}  # req -> its first block left unloaded, this step
         if role == KVConnectorRole.SCHEDULER:
@@ -133,7 +145,26 @@ class KvmeshConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = kv_layers(kv_caches)
+        """Read vLLM's KV layout (see `kv_layouts`) and start the engine's side of the mesh.
+
+        Raises:
+            KVLayoutError: caches of a layout kvmesh does not read, or could read more
+                than one way (the message names the backend, the shape and the strides).
+            ValueError: caches of another KV format than the model config's.
+        """
+        caches = kv_layers(kv_caches)
+        model = self._vllm_config.model_config
+        heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
+        head_dim = model.get_head_size()
+        backend, hint = _backend_layout(self._vllm_config, list(kv_caches), heads, head_dim)
+        try:
+            kv = detect_layout(caches[0], heads, head_dim, self.block_size, hint)
+            self._layers = layer_views(caches, kv, head_dim)
+            if kv.name == "cpu_attn":
+                _check_with_cpu_kernel(kv, self._vllm_config, list(kv_caches), caches[0])
+        except KVLayoutError as exc:
+            raise KVLayoutError(f"vLLM's attention backend {backend}: {exc}") from exc
+        log.info("kvmesh reads vLLM's KV (backend %s) as %s (%s)", backend, kv.name, kv.dims)
         layout = engine_layout(
             self._layers, self.block_size, self.enrollment.page_tokens, self.num_blocks
         )
@@ -142,7 +173,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 f"vLLM's KV caches are {layout.kv_format}, the model config says "
                 f"{self.kv_format}: kvmesh cannot tell which pages are whose"
             )
-        self.engine = EngineCache(self.enrollment, layout, self.block_size)
+        self.engine = EngineCache(self.enrollment, layout, self.block_size, device=caches[0].device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -157,12 +188,13 @@ class KvmeshConnector(KVConnectorBase_V1):
             loaded[spec.request_id] = (spec.end - len(failed)) - spec.first
             if failed:
                 self._unfilled[spec.request_id] = spec.end - len(failed)
+        self.engine.loads_done()  # the forward waits for the loads, whole (see KVCopier)
         for request_id, salt, local, external, prompt in meta.admitted:
             remote = min(external, max(0, loaded.get(request_id, 0) * self.block_size))
             self.engine.admitted(salt, local, remote, prompt - local - remote)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # the forward already waits for every load (start_load_kv, KVCopier)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # saved once the whole forward is done (wait_for_save)
@@ -319,3 +351,95 @@ def _kv_format(vllm_config: VllmConfig, page_tokens: int) -> str:
         dtype = str(model.dtype).removeprefix("torch.")
     layers = hf.num_hidden_layers
     return StoreLayout(1, layers, heads, page_tokens, head_dim, dtype).kv_format
+
+
+# vLLM versions whose caches are per-layer [B, H, N, C] views of one buffer
+# (vllm/v1/kv_cache_layout.py): the backend's forward says how C holds K and V.
+_VIEW_LAYOUTS = {
+    "CPU_ATTN": "cpu_attn",
+    "FLASH_ATTN": "per_token_kv",
+    "FLASHINFER": "per_token_kv",
+    "TRITON_ATTN": "per_token_kv",
+    "FLEX_ATTENTION": "per_token_kv",
+}
+
+
+def _attention_layers(vllm_config: VllmConfig, names: list[str]) -> dict[str, Any]:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
+
+
+def _backend_layout(
+    vllm_config: VllmConfig, names: list[str], heads: int, head_dim: int
+) -> tuple[str, str | None]:
+    """The attention backend of the registered layers, and the `kv_layouts` name of the
+    layout vLLM hands for it (None where vLLM does not say: the shape must then fit one
+    layout alone).
+
+    Raises:
+        KVLayoutError: the layers have more than one backend.
+    """
+    backends = {
+        layer.get_attn_backend() for layer in _attention_layers(vllm_config, names).values()
+    }
+    if len(backends) != 1:
+        raise KVLayoutError(
+            f"KV caches of {len(backends)} attention backends "
+            f"{sorted(b.get_name() for b in backends)}: kvmesh reads one"
+        )
+    backend = backends.pop()
+    name = backend.get_name()
+    try:
+        import vllm.v1.kv_cache_layout  # noqa: F401 - present: the per-layer views
+    except ImportError:
+        shape_fn = getattr(backend, "get_kv_cache_shape", None)
+        block_size = vllm_config.cache_config.block_size
+        hint = (
+            None if shape_fn is None else layout_of_shape_fn(shape_fn, heads, head_dim, block_size)
+        )
+        return name, hint
+    if name not in _VIEW_LAYOUTS:
+        raise KVLayoutError(
+            f"vLLM's attention backend {name} is not one kvmesh reads; known: "
+            f"{sorted(_VIEW_LAYOUTS)}"
+        )
+    return name, _VIEW_LAYOUTS[name]
+
+
+def _check_with_cpu_kernel(
+    layout: KVLayout, vllm_config: VllmConfig, names: list[str], cache: torch.Tensor
+) -> None:
+    """Write known K and V through vLLM's own CPU kernel into a scratch cache of two
+    blocks shaped like `cache`, and check that `layout` reads them back: how the CPU
+    kernels store a block depends on the ISA they were picked for (`layer.isa`), and a
+    layout that reads another ISA's blocks would move the wrong tokens silently.
+
+    Raises:
+        KVLayoutError: the kernel stores K or V elsewhere.
+    """
+    from vllm import _custom_ops as ops
+
+    layer = next(iter(_attention_layers(vllm_config, names).values()))
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        raise KVLayoutError("vLLM's CPU attention layer has no ISA: cannot check its layout")
+    _, heads, tokens, width = cache.shape
+    head_dim = width // 2
+    scratch = torch.zeros((2, heads, tokens, width), dtype=cache.dtype)
+    # vLLM's own split of a CPU cache (CPUAttentionBackendImpl.forward)
+    key_cache, value_cache = scratch.view(2, heads, 2 * tokens, head_dim).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn((2, 2 * tokens, heads, head_dim), generator=g).to(cache.dtype)
+    slots = torch.arange(2 * tokens, dtype=torch.long)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    views = layout.views(scratch, head_dim)
+    for name, half, wrote in (("K", views.k, key), ("V", views.v, value)):
+        read = half.transpose(1, 2).reshape(2 * tokens, heads, head_dim)  # token order
+        if not torch.equal(read, wrote):
+            raise KVLayoutError(
+                f"vLLM's CPU attention (isa {isa}) stores {name} where the {layout.name} "
+                f"layout does not read it (cache of shape {tuple(cache.shape)}, "
+                f"{cache.dtype})"
+            )

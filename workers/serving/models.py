@@ -43,9 +43,17 @@ def model_shape(name: str) -> ModelShape:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}") from None
 
 
-def load(name: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """Load a known model in eval mode on the CPU: `(model, tokenizer)`; the tiny test
-    model has no tokenizer (None).
+def load(name: str, dtype: str = "float32", device: Any = "cpu") -> tuple[Any, Any]:
+    """Load a known model in eval mode: `(model, tokenizer)`; the tiny test model has no
+    tokenizer (None).
+
+    The worker loads on the CPU today: a GPU worker needs its page store on the device
+    too, and passes `workers.serving.device.resolve_device(...)` here once it has one.
+
+    Args:
+        name: a name of `KNOWN_MODELS`.
+        dtype: the weights' dtype, one of `DTYPES`.
+        device: where the weights go (a torch device or its name).
 
     Raises:
         ValueError: an unknown model or dtype, or a model whose loaded shape is not the
@@ -60,9 +68,9 @@ def load(name: str, dtype: str = "float32") -> tuple[Any, Any]:
         raise ValueError(f"model dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch_dtype = getattr(torch, dtype)
     if name == "tiny":
-        model, tokenizer = tiny_llama().to(torch_dtype), None
+        model, tokenizer = tiny_llama(dtype=torch_dtype, device=device), None
     else:
-        model, tokenizer = load_smollm2(dtype=torch_dtype)
+        model, tokenizer = load_smollm2(dtype=torch_dtype, device=device)
     config = model.config
     loaded = ModelShape(
         config.num_hidden_layers,

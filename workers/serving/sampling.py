@@ -1,7 +1,10 @@
 """Choosing the next token from a model's logits: greedy, or seeded sampling with
 temperature, top-k and top-p (nucleus) filters.
 
-Pure torch; the model runner calls a `Sampler` once per new token.
+Pure torch; the model runner calls a `Sampler` once per new token, with float32 logits
+on the model's device. Each call costs one transfer from that device and no more: greedy
+takes the argmax where the logits are and reads back the token; sampling copies the
+logits to the CPU once and does the rest there.
 
 Reproducibility across cache paths. The same prompt reaches the model with its prefix KV
 computed here, read from this worker's own pages, or copied from a peer's; the logits
@@ -75,12 +78,20 @@ class Sampler:
         """
         if logits.dim() != 1 or logits.numel() == 0:
             raise ValueError(f"logits must be (vocab,), got shape {tuple(logits.shape)}")
-        if torch.isnan(logits).any():
-            raise ValueError("logits hold NaN")
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            # On the logits' own device, and one transfer: the argmax, or -1 when a NaN
+            # makes it meaningless (argmax takes NaN for the largest value).
+            found = torch.where(torch.isnan(logits).any(), -1, torch.argmax(logits))
+            token = int(found)
+            if token < 0:
+                raise ValueError("logits hold NaN")
+            return token
+        # The one transfer of a sampled token: the logits to the CPU, where the draw is.
+        x = logits.detach().to("cpu", torch.float64)
+        if torch.isnan(x).any():
+            raise ValueError("logits hold NaN")
         u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
-        probs = filtered_probs(logits, self.params)
+        probs = filtered_probs(x, self.params)
         return pick(probs, u)
 
 

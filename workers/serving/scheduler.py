@@ -196,6 +196,11 @@ class Scheduler:
             if not admitted:
                 break
             budget = self._prefill(step, budget, admitted)
+        # The spot checks' chunks go after every sequence's: a sequence's chunk and its
+        # logits row are found by its index among the sequences.
+        for seq in step.sequences:
+            if seq.unjudged is not None:
+                self._check(step, seq)
         return step
 
     def after_forward(self, step: Step) -> None:
@@ -357,8 +362,6 @@ class Scheduler:
                 Chunk(seq.allocation.pages, seq.tokens[seq.computed : end], seq.computed, _kv(seq))
             )
             budget -= end - seq.computed
-            if seq.unjudged is not None:
-                self._check(step, seq)
         return budget
 
     def _check(self, step: Step, seq: Sequence) -> None:

@@ -37,6 +37,11 @@ class NotOwnerError(PageStoreError):
     """An attached (reader) store was asked to change pages; only the owner may."""
 
 
+class CudaIpcError(PageStoreError):
+    """A store's device pages cannot be exported to, or opened by, a peer through CUDA
+    IPC (`workers.store.cuda_ipc`); the caller reads them through the host tier instead."""
+
+
 @dataclass(frozen=True)
 class StoreLayout:
     """Shape of a page store.

@@ -11,26 +11,36 @@ chain it was computed from, recorded when it is published and cleared when it is
 rewritten; a reader that passes the digests it expects gets only pages that hold what it
 asked for.
 
-The segment itself (`segment`, `segment_names`), the store's layout (`layout`) and validated
-copies (`validated_copy`) are modules of their own; the names they export for the store's
-users are importable from here as well.
+On a device (a GPU worker's top tier) the pages live in one device tensor and the segment
+holds only the generations and digests; `placement` puts the pages there and opens them for
+a peer (through CUDA IPC), and `staging` moves pages between a device store and the host
+store below it.
+
+This module holds what makes a store: creating and attaching it, the owner's writes and
+its lifetime. What owner and readers alike may read is `store_reader`, the base of
+`SharedPageStore`. The segment itself (`segment`, `segment_names`), the store's layout
+(`layout`) and validated copies (`validated_copy`) are modules of their own; the names they
+export for the store's users are importable from here as well.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from workers.store import placement
 from workers.store.layout import (
+    CudaIpcError,
     NotOwnerError,
     PageStoreError,
     SegmentFormatError,
     SegmentNotFoundError,
     StoreLayout,
 )
-from workers.store.page_pool import PagePool, digest_rows, generation_rows
+from workers.store.page_pool import PagePool
 from workers.store.segment import FORMAT_VERSION, Segment
 from workers.store.segment_names import (
     SEGMENT_PREFIX,
@@ -40,12 +50,17 @@ from workers.store.segment_names import (
     reclaim_dead_segments,
     worker_tag,
 )
-from workers.store.validated_copy import ValidatedCopy, copy_validated, expected_digests
+from workers.store.store_reader import StoreReader
+from workers.store.validated_copy import ValidatedCopy, expected_digests, paste_rows
+
+if TYPE_CHECKING:
+    from workers.store.cuda_ipc import CudaIpcHandle
 
 __all__ = [
     "FORMAT_VERSION",
     "SEGMENT_PREFIX",
     "SHM_DIR",
+    "CudaIpcError",
     "NotOwnerError",
     "PageStoreError",
     "SegmentFormatError",
@@ -60,7 +75,7 @@ __all__ = [
 ]
 
 
-class SharedPageStore:
+class SharedPageStore(StoreReader):
     """KV pages in shared memory, owned by one process and readable by its peers.
 
     Implements the `PageAllocator` protocol of `workers.store.page_pool` for the owner. An
@@ -69,24 +84,19 @@ class SharedPageStore:
     write through a page view faults instead of corrupting the owner's KV).
 
     Build one with `SharedPageStore.create` (owner) or `SharedPageStore.attach` (reader).
+    The reads both may make are inherited from `StoreReader` (`workers.store.store_reader`).
     """
 
-    def __init__(self, segment: Segment):
+    def __init__(self, segment: Segment, pages: torch.Tensor | None = None):
         """Private: use `create` or `attach`."""
-        self._segment = segment
-        self._layout = segment.layout
-        self._is_owner = segment.is_owner
-        self._closed = False
-        views = segment.views()
-        self._generations: np.ndarray | None = views.generations
-        self._digests: np.ndarray | None = views.digests
-        self._pages: torch.Tensor | None = views.pages
+        super().__init__(segment, pages)
+        self._ipc_handle: CudaIpcHandle | None = None  # exported once, on first ask
         # Only the owner keeps a free list; a reader's would claim every page is free.
         self._pool: PagePool | None = (
             PagePool(
                 self._layout.num_pages,
-                generations=views.generations,
-                digests=views.digests,
+                generations=self._generations,
+                digests=self._digests,
                 kv_format=self._layout.kv_format,
             )
             if self._is_owner
@@ -97,75 +107,82 @@ class SharedPageStore:
 
     @classmethod
     def create(
-        cls, layout: StoreLayout, tag: str | None = None, device: str | torch.device = "cpu"
+        cls,
+        layout: StoreLayout,
+        tag: str | None = None,
+        device: str | torch.device = "cpu",
+        *,
+        pages_in_segment: bool | None = None,
     ) -> SharedPageStore:
         """Create a new segment and own it; reclaims dead owners' segments first.
 
         Args:
             layout: the store's shape and dtype.
             tag: a name suffix matching [a-z0-9_]{1,32}; a random one when None.
-            device: where the pages live. Only "cpu" (the shared-memory store itself).
+            device: where the pages live: "cpu", "cuda" or "cuda:N".
+            pages_in_segment: whether the pages live in the shared-memory segment (peers
+                map them by name). None: on the CPU, yes (the shared-memory store); on a
+                device, no. False on the CPU keeps them in private memory behind a
+                metadata-only segment, as a device store does.
 
         Returns:
             The owning store; its `name` is what peers pass to `attach`.
 
         Raises:
-            ValueError: a bad tag.
-            NotImplementedError: a device other than the CPU.
-            PageStoreError: the segment exists already, or /dev/shm has no room for it.
+            ValueError: a bad tag, a device that is neither CPU nor CUDA, or pages in the
+                segment asked for on a device.
+            PageStoreError: the segment exists already, /dev/shm has no room for it, or
+                the device has no CUDA or no room for the pages.
         """
-        if torch.device(device).type != "cpu":
-            # The GPU tier keeps pages in device memory and shares them by CUDA IPC; the
-            # shared-memory store then serves as its CPU tier.
-            raise NotImplementedError(f"page store on device {device!r}: only 'cpu' so far")
-        return cls(Segment.create(layout, tag))
+        return cls(*placement.place(layout, tag, device, pages_in_segment))
 
     @classmethod
-    def attach(cls, name: str) -> SharedPageStore:
+    def attach(
+        cls, name: str, pages: torch.Tensor | CudaIpcHandle | None = None
+    ) -> SharedPageStore:
         """Map another process's store for reading.
 
         Args:
             name: the owner's `name`.
+            pages: only for a store whose pages are not in its segment (a device store):
+                the owner's `export_pages()` handle, opened here once; or the pages tensor
+                itself, `(num_pages, *page_shape)` of the layout's dtype. None: such a
+                store is read for its generations and digests only.
 
         Returns:
             A reader store over the same memory.
 
         Raises:
-            ValueError: `name` is not a kvmesh segment name.
+            ValueError: `name` is not a kvmesh segment name; `pages` given for a store
+                that holds its pages in its segment, or a tensor of the wrong shape or
+                dtype.
             SegmentNotFoundError: no such segment.
             SegmentFormatError: the header is not a kvmesh header of this format version,
                 or the segment is shorter than its header says.
+            CudaIpcError: the handle cannot be opened here.
         """
-        return cls(Segment.attach(name))
+        return cls(*placement.open_placed(name, pages))
 
-    # -- properties --------------------------------------------------------------------
+    def export_pages(self) -> CudaIpcHandle:
+        """The handle through which same-node peers open this store's device pages
+        (`attach(name, pages=handle)`); exported on the first call, then the same.
 
-    @property
-    def name(self) -> str:
-        return self._segment.name
+        Returns:
+            A `CudaIpcHandle`; `to_fields()` gives plain fields for a message.
 
-    @property
-    def layout(self) -> StoreLayout:
-        return self._layout
+        Raises:
+            NotOwnerError: called on an attached store.
+            CudaIpcError: the pages are not on a CUDA device (peers read them through the
+                host tier), or CUDA refuses to export them.
+        """
+        pages = self._live_pages()
+        if not self._is_owner:
+            raise NotOwnerError(f"export_pages on attached segment {self.name!r}")
+        if self._ipc_handle is None:
+            self._ipc_handle = placement.export_handle(self.name, pages)
+        return self._ipc_handle
 
-    @property
-    def is_owner(self) -> bool:
-        return self._is_owner
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def kv_format(self) -> str:
-        """Its layout's `kv_format`: what the page bytes mean, a root of every digest."""
-        return self._layout.kv_format
-
-    # -- PageAllocator (owner only, except num_pages and generation) --------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self._layout.num_pages
+    # -- PageAllocator (owner only; num_pages and generation are StoreReader's) ---------
 
     @property
     def num_free(self) -> int:
@@ -204,15 +221,6 @@ class SharedPageStore:
         """
         self._owner_pool("free").free(pages)
 
-    def generation(self, page: int) -> int:
-        """The page's generation; it changes whenever the owner frees or rewrites the page.
-
-        Raises:
-            ValueError: `page` is out of range.
-        """
-        self._check_page(page)
-        return int(self._live_generations()[page])
-
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` token slots of every layer, K/V and head of `src`
         into `dst`, bump `dst`'s generation and clear its digest. Slots past `num_tokens`
@@ -238,43 +246,9 @@ class SharedPageStore:
         pool.bump_generation(dst)  # and clears the digest, before the write: see write_page
         # page: (num_layers, 2, num_kv_heads, page_tokens, head_dim)
         pages[dst, ..., :num_tokens, :].copy_(pages[src, ..., :num_tokens, :])
+        placement.settle(self._pages)
 
-    # -- page access -------------------------------------------------------------------
-
-    def page(self, page: int) -> torch.Tensor:
-        """A view of one page, `(num_layers, 2 [k,v], num_kv_heads, page_tokens, head_dim)`.
-
-        The view aliases shared memory: the owner may free and reuse the page at any time,
-        so a reader copies with `copy_pages_validated` rather than trusting a view. On an
-        attached store the memory is read-only and a write through the view faults.
-
-        Raises:
-            ValueError: `page` is out of range.
-        """
-        self._check_page(page)
-        return self._live_pages()[page]
-
-    def page_buffer(self, page: int) -> memoryview:
-        """One page's bytes in shared memory, as a flat byte view (whatever the store's
-        dtype: numpy, which page transfers go through, has no bfloat16). Aliases shared
-        memory as `page` does.
-
-        Raises:
-            ValueError: `page` is out of range.
-        """
-        return memoryview(self.page(page).view(torch.uint8).numpy()).cast("B")
-
-    def page_range(self, start: int, stop: int) -> torch.Tensor:
-        """A view of pages [start, stop), `(stop - start, *page_shape)`, contiguous.
-
-        Lets a copy land straight in a run of consecutive pages (one memcpy, no staging).
-
-        Raises:
-            ValueError: the range is empty or out of bounds.
-        """
-        if not 0 <= start < stop <= self.num_pages:
-            raise ValueError(f"page range [{start}, {stop}) not in [0, {self.num_pages})")
-        return self._live_pages()[start:stop]
+    # -- writes (owner only) -----------------------------------------------------------
 
     def write_page(self, page: int, kv: torch.Tensor) -> None:
         """Overwrite one allocated page with `kv`, bumping its generation and clearing its
@@ -283,7 +257,8 @@ class SharedPageStore:
         Args:
             page: an allocated page id.
             kv: `(num_layers, 2 [k,v], num_kv_heads, page_tokens, head_dim)` in the
-                store's dtype, on any device.
+                store's dtype, on any device. On a device store the write has landed when
+                this returns.
 
         Raises:
             ValueError: the page is out of range or free, or `kv` has the wrong shape
@@ -306,35 +281,53 @@ class SharedPageStore:
         # second generation read, or copied the old bytes, which the old digest names.
         pool.bump_generation(page)
         self._live_pages()[page].copy_(kv)
+        placement.settle(self._pages)
 
-    def read_pages(self, page_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Gather a copy of some pages, without any validation (see `copy_pages_validated`).
+    def write_pages(
+        self, page_ids: Sequence[int], kv: torch.Tensor, digests: Sequence[bytes] | None = None
+    ) -> None:
+        """`write_page` for several pages in one bulk copy, then (with `digests`) record what
+        each holds, as `set_digests` does.
 
         Args:
-            page_ids: page ids, in the order wanted.
-            out: optional CPU tensor `(len(page_ids), *page_shape)` of the store's dtype
-                to copy into.
+            page_ids: distinct allocated page ids.
+            kv: `(len(page_ids), *page_shape)` in the store's dtype, on the store's device
+                or the CPU (pinned, for a device store).
+            digests: None, or one digest per page, none of them `EMPTY_DIGEST`.
+
+        Raises:
+            ValueError: a page out of range, free or repeated, `kv` of the wrong shape,
+                dtype or device, or bad digests; then nothing is written.
+            NotOwnerError: called on an attached store.
+        """
+        pool = self._owner_pool("write_pages")
+        rows = self.check_writable(page_ids)
+        self._check_out(kv, len(rows), "kv")
+        if digests is not None and not expected_digests(digests, len(rows)).any(axis=1).all():
+            raise ValueError("write_pages: an empty digest records nothing; pass None instead")
+        for page in rows.tolist():  # every generation moves before any byte: see write_page
+            pool.bump_generation(page)
+        paste_rows(self._live_pages(), rows, kv)
+        if digests is not None and len(rows):
+            pool.set_digests(rows.tolist(), digests)
+
+    def check_writable(self, page_ids: Sequence[int]) -> np.ndarray:
+        """Check that `page_ids` are distinct allocated pages this owner may write.
 
         Returns:
-            `(len(page_ids), num_layers, 2, num_kv_heads, page_tokens, head_dim)`: `out`
-            when given, else a new tensor.
+            The page ids, `(n,)` int64.
 
         Raises:
-            ValueError: a page out of range, or `out` of the wrong shape, dtype or device.
+            ValueError: a page out of range, free or repeated.
+            NotOwnerError: called on an attached store.
         """
-        index = self._index(page_ids)
-        if out is None:
-            return self._live_pages().index_select(0, index)
-        self._check_out(out, len(index))
-        return torch.index_select(self._live_pages(), 0, index, out=out)
-
-    def generations(self, page_ids: Sequence[int]) -> list[int]:
-        """The generations of some pages, in order.
-
-        Raises:
-            ValueError: a page is out of range.
-        """
-        return generation_rows(self._live_generations(), page_ids, self.num_pages)
+        pool = self._owner_pool("check_writable")
+        rows = self._index(page_ids).numpy()
+        if len(np.unique(rows)) != len(rows):
+            raise ValueError(f"pages {rows.tolist()}: a page appears twice")
+        for page in rows.tolist():
+            self._check_allocated(pool, page)
+        return rows
 
     def set_digest(self, page: int, digest: bytes) -> None:
         """Record what an allocated page holds (`workers.store.digests`), visible to readers.
@@ -352,7 +345,7 @@ class SharedPageStore:
                 or is the empty digest.
             NotOwnerError: called on an attached store.
         """
-        self._owner_pool("set_digest").set_digest(page, digest)
+        self.set_digests((page,), (digest,))
 
     def set_digests(self, pages: Sequence[int], digests: Sequence[bytes]) -> None:
         """`set_digest` for several pages at once, `digests[i]` for `pages[i]`.
@@ -362,60 +355,9 @@ class SharedPageStore:
                 recorded.
             NotOwnerError: called on an attached store.
         """
-        self._owner_pool("set_digests").set_digests(pages, digests)
-
-    def digests(self, page_ids: Sequence[int]) -> list[bytes]:
-        """The recorded digests of some pages, in order; `EMPTY_DIGEST` where none is.
-
-        Raises:
-            ValueError: a page is out of range.
-        """
-        return digest_rows(self._live_digests(), page_ids, self.num_pages)
-
-    def copy_pages_validated(
-        self,
-        page_ids: Sequence[int],
-        expected_generations: Sequence[int],
-        out: torch.Tensor,
-        digests: Sequence[bytes] | None = None,
-    ) -> ValidatedCopy:
-        """Copy pages into `out` and report which copies can be trusted.
-
-        The copy takes no lock: each page's generation is read before and after it, and
-        with `digests` each page's digest too; a page is valid only if they are what the
-        caller expects. `workers.store.validated_copy` explains the order of the reads.
-
-        Args:
-            page_ids: pages to copy.
-            expected_generations: one expected generation per page.
-            out: CPU tensor `(len(page_ids), *page_shape)` of the store's dtype; rows whose
-                page is invalid hold garbage and must be recomputed.
-            digests: None, or one expected `DIGEST_BYTES` digest per page (the requester's
-                own, from `workers.store.digests.page_digests` over its prompt).
-
-        Returns:
-            `ValidatedCopy(valid)`, one bool per page.
-
-        Raises:
-            ValueError: mismatched lengths, a digest not 16 bytes, a page out of range, or
-                a bad `out`.
-        """
-        index = self._index(page_ids)
-        if len(expected_generations) != len(index):
-            raise ValueError(
-                f"{len(expected_generations)} expected generations for {len(index)} pages"
-            )
-        self._check_out(out, len(index))
-        wanted = None if digests is None else expected_digests(digests, len(index))
-        return copy_validated(
-            self._live_pages(),
-            self._live_generations(),
-            self._live_digests(),
-            index.numpy(),
-            np.asarray(expected_generations, dtype=np.int64),
-            out,
-            wanted,
-        )
+        pool = self._owner_pool("set_digests")
+        placement.settle(self._pages)  # the model's kernels may still be writing the pages
+        pool.set_digests(pages, digests)
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -465,27 +407,10 @@ class SharedPageStore:
         self._segment.check_integrity()
         if self._pool is not None:
             self._pool.check_integrity()
+        if self._pages is not None:
+            placement.check_pages_tensor(self._layout, self._pages)
 
     # -- helpers -----------------------------------------------------------------------
-
-    def _require_open(self) -> None:
-        if self._closed:
-            raise PageStoreError(f"page store {self.name!r} is closed")
-
-    def _live_pages(self) -> torch.Tensor:
-        self._require_open()
-        assert self._pages is not None
-        return self._pages
-
-    def _live_generations(self) -> np.ndarray:
-        self._require_open()
-        assert self._generations is not None
-        return self._generations
-
-    def _live_digests(self) -> np.ndarray:
-        self._require_open()
-        assert self._digests is not None
-        return self._digests
 
     def _owner_pool(self, what: str) -> PagePool:
         self._require_open()
@@ -496,28 +421,7 @@ class SharedPageStore:
             )
         return self._pool
 
-    def _check_page(self, page: int) -> None:
-        if not 0 <= page < self._layout.num_pages:
-            raise ValueError(f"page {page} out of range [0, {self._layout.num_pages})")
-
     def _check_allocated(self, pool: PagePool, page: int) -> None:
         self._check_page(page)
         if pool.is_free(page):
             raise ValueError(f"page {page} is free: allocate it before using it")
-
-    def _index(self, page_ids: Sequence[int]) -> torch.Tensor:
-        index = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1)
-        if len(index) and not (int(index.min()) >= 0 and int(index.max()) < self.num_pages):
-            bad = [p for p in index.tolist() if not 0 <= p < self.num_pages]
-            raise ValueError(f"pages {bad} out of range [0, {self.num_pages})")
-        return index
-
-    def _check_out(self, out: torch.Tensor, n: int) -> None:
-        shape = (n, *self._layout.page_shape)
-        if tuple(out.shape) != shape or out.dtype != self._layout.torch_dtype:
-            raise ValueError(
-                f"out must be {shape} {self._layout.torch_dtype}, "
-                f"got {tuple(out.shape)} {out.dtype}"
-            )
-        if out.device.type != "cpu":
-            raise ValueError(f"out must be on the CPU, got {out.device}")

@@ -4,16 +4,22 @@ The owner creates the segment and maps it writable; a peer on the same node atta
 name and maps it read-only. `Segment` does only that, and cuts the mapping into the
 generation, digest and page views (`Segment.views`) that `SharedPageStore` works on.
 
-Segment format (one file in /dev/shm per store, little-endian), version 2:
+Segment format (one file in /dev/shm per store, little-endian), version 3:
 
-    offset 0                 header: magic, format version, layout, region offsets
+    offset 0                 header: magic, format version, layout, page placement,
+                             region offsets
     offset 4096              num_pages int64 generation counters (padded to 4096)
     offset digests_offset    num_pages x 16-byte digests, all zeros where none is
                              recorded (padded to 4096)
     offset data_offset       pages: (num_pages, num_layers, 2 [k,v], num_kv_heads,
-                                     page_tokens, head_dim) in the layout's dtype
+                                     page_tokens, head_dim) in the layout's dtype;
+                             empty (data_offset == total_bytes) when the placement is
+                             PLACEMENT_DEVICE
 
-Version 1 had no digest region; a reader refuses any version but its own. Names, and
+A store whose pages live in device memory keeps only its metadata here, so peers read
+generations and digests without touching the device; its pages reach them another way
+(`workers.store.cuda_ipc`). Version 1 had no digest region, version 2 no placement; a
+reader refuses any version but its own. Names, and
 reclaiming the segments of dead owners, are `workers.store.segment_names`.
 
 `multiprocessing.shared_memory` is deliberately not used: on Python 3.11 its resource
@@ -46,7 +52,12 @@ from workers.store.layout import (
 from workers.store.segment_names import SHM_DIR, reclaim_dead_segments, segment_name, segment_path
 
 MAGIC = b"KVMESH01"
-FORMAT_VERSION = 2  # 2: a digest region after the generations
+FORMAT_VERSION = 3  # 2: a digest region after the generations; 3: the page placement
+
+# Where the pages are. Codes are part of the format: never renumber, only append.
+PLACEMENT_SEGMENT = 0  # in the data region, after the digests
+PLACEMENT_DEVICE = 1  # elsewhere (device memory): the segment holds metadata only
+_PLACEMENTS = (PLACEMENT_SEGMENT, PLACEMENT_DEVICE)
 
 # Regions start on a page boundary so both views are aligned for any dtype and the data
 # region can later be registered (pinned) for DMA as a whole.
@@ -54,8 +65,8 @@ _ALIGN = 4096
 HEADER_BYTES = 4096
 
 # magic, version, num_pages, num_layers, num_kv_heads, page_tokens, head_dim, dtype_code,
-# generations_offset, digests_offset, data_offset, total_bytes
-_HEADER = struct.Struct("<8s11q")
+# placement, generations_offset, digests_offset, data_offset, total_bytes
+_HEADER = struct.Struct("<8s12q")
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere fault lazily
 
@@ -75,23 +86,28 @@ class SegmentViews(NamedTuple):
 
     generations: np.ndarray  # (num_pages,) int64
     digests: np.ndarray  # (num_pages, DIGEST_BYTES) uint8; zeros (EMPTY_DIGEST) when fresh
-    pages: torch.Tensor  # (num_pages, num_layers, 2 [k,v], num_kv_heads, page_tokens, head_dim)
+    # (num_pages, num_layers, 2 [k,v], num_kv_heads, page_tokens, head_dim); None when the
+    # pages are not in the segment (PLACEMENT_DEVICE)
+    pages: torch.Tensor | None
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def regions(layout: StoreLayout) -> Regions:
-    """The region offsets and total size of a segment holding `layout`."""
+def regions(layout: StoreLayout, placement: int = PLACEMENT_SEGMENT) -> Regions:
+    """The region offsets and total size of a segment holding `layout`'s metadata, and its
+    pages too when `placement` is PLACEMENT_SEGMENT."""
     digests_offset = HEADER_BYTES + _align(layout.num_pages * 8)
     data_offset = digests_offset + _align(layout.num_pages * DIGEST_BYTES)
-    total_bytes = data_offset + layout.num_pages * layout.page_bytes
-    return Regions(HEADER_BYTES, digests_offset, data_offset, total_bytes)
+    data_bytes = layout.num_pages * layout.page_bytes if placement == PLACEMENT_SEGMENT else 0
+    return Regions(HEADER_BYTES, digests_offset, data_offset, data_offset + data_bytes)
 
 
-def pack_header(layout: StoreLayout) -> bytes:
-    """The header of a segment holding `layout`, magic first."""
+def pack_header(layout: StoreLayout, placement: int = PLACEMENT_SEGMENT) -> bytes:
+    """The header of a segment holding `layout` with its pages placed as `placement`,
+    magic first."""
+    assert placement in _PLACEMENTS, placement
     return _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -101,27 +117,28 @@ def pack_header(layout: StoreLayout) -> bytes:
         layout.page_tokens,
         layout.head_dim,
         DTYPE_CODES[layout.dtype],
-        *regions(layout),
+        placement,
+        *regions(layout, placement),
     )
 
 
-def unpack_header(name: str, raw: bytes) -> StoreLayout:
-    """The layout a segment's header records.
+def unpack_header(name: str, raw: bytes) -> tuple[StoreLayout, int]:
+    """The layout and page placement a segment's header records.
 
     Args:
         name: the segment's name, for messages.
         raw: the header's first `_HEADER.size` bytes.
 
     Returns:
-        The layout.
+        `(layout, placement)`.
 
     Raises:
-        SegmentFormatError: a bad magic, another format version, an unknown dtype, a bad
-            layout, or region offsets that do not follow from the layout.
+        SegmentFormatError: a bad magic, another format version, an unknown dtype or
+            placement, a bad layout, or region offsets that do not follow from them.
     """
     values = _HEADER.unpack(raw)
-    magic, version, *fields, dtype_code = values[:8]  # fields: the layout's five sizes
-    offsets = Regions(*values[8:])
+    magic, version, *fields, dtype_code, placement = values[:9]  # fields: five sizes
+    offsets = Regions(*values[9:])
     if magic != MAGIC:
         raise SegmentFormatError(
             f"segment {name!r}: bad magic {magic!r}, expected {MAGIC!r} "
@@ -134,16 +151,20 @@ def unpack_header(name: str, raw: bytes) -> StoreLayout:
     dtypes = {code: dtype for dtype, code in DTYPE_CODES.items()}
     if dtype_code not in dtypes:
         raise SegmentFormatError(f"segment {name!r}: unknown dtype code {dtype_code}")
+    if placement not in _PLACEMENTS:
+        raise SegmentFormatError(
+            f"segment {name!r}: unknown page placement {placement}, known {list(_PLACEMENTS)}"
+        )
     try:
         layout = StoreLayout(*fields, dtype=dtypes[dtype_code])
     except ValueError as e:
         raise SegmentFormatError(f"segment {name!r}: bad layout in header: {e}") from None
-    if offsets != regions(layout):
+    if offsets != regions(layout, placement):
         raise SegmentFormatError(
             f"segment {name!r}: region offsets {tuple(offsets)} "
-            f"do not match its layout {tuple(regions(layout))}"
+            f"do not match its layout {tuple(regions(layout, placement))}"
         )
-    return layout
+    return layout, placement
 
 
 def _unlink_segment(path: str, owner_pid: int) -> None:
@@ -162,10 +183,13 @@ class Segment:
     """One mapped segment: writable and unlinked on close (or when dropped) for its owner,
     read-only for a reader. Build one with `Segment.create` or `Segment.attach`."""
 
-    def __init__(self, name: str, layout: StoreLayout, mm: mmap.mmap, is_owner: bool):
+    def __init__(
+        self, name: str, layout: StoreLayout, mm: mmap.mmap, is_owner: bool, placement: int
+    ):
         """Private: use `create` or `attach`."""
         self._name = name
         self._layout = layout
+        self._placement = placement
         self._mm: mmap.mmap | None = mm
         self._is_owner = is_owner
         self._unlink_finalizer = (
@@ -175,12 +199,16 @@ class Segment:
         )
 
     @classmethod
-    def create(cls, layout: StoreLayout, tag: str | None = None) -> Segment:
+    def create(
+        cls, layout: StoreLayout, tag: str | None = None, placement: int = PLACEMENT_SEGMENT
+    ) -> Segment:
         """Create a new segment and own it; reclaims dead owners' segments first.
 
         Args:
             layout: the shape and dtype of the pages it holds.
             tag: a name suffix matching [a-z0-9_]{1,32}; a random one when None.
+            placement: PLACEMENT_SEGMENT (pages in the segment) or PLACEMENT_DEVICE
+                (metadata only).
 
         Returns:
             The owner's segment, mapped writable, its header written.
@@ -192,7 +220,9 @@ class Segment:
         name = segment_name(tag)
         reclaim_dead_segments()
         path = os.path.join(SHM_DIR, name)
-        size = regions(layout).total_bytes
+        if placement not in _PLACEMENTS:
+            raise ValueError(f"page placement {placement}, known {list(_PLACEMENTS)}")
+        size = regions(layout, placement).total_bytes
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except FileExistsError:
@@ -220,12 +250,12 @@ class Segment:
             raise
         finally:
             os.close(fd)  # the mapping keeps the memory; no descriptor needs to stay open
-        header = pack_header(layout)
+        header = pack_header(layout, placement)
         # The magic goes in last: a reader that attaches mid-creation sees a bad magic
         # rather than a half-written layout.
         mm[len(MAGIC) : len(header)] = header[len(MAGIC) :]
         mm[: len(MAGIC)] = MAGIC
-        return cls(name, layout, mm, is_owner=True)
+        return cls(name, layout, mm, is_owner=True, placement=placement)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -254,8 +284,8 @@ class Segment:
                 raise SegmentFormatError(
                     f"segment {name!r} is {size} bytes, shorter than its {HEADER_BYTES}-byte header"
                 )
-            layout = unpack_header(name, os.pread(fd, _HEADER.size, 0))
-            total = regions(layout).total_bytes
+            layout, placement = unpack_header(name, os.pread(fd, _HEADER.size, 0))
+            total = regions(layout, placement).total_bytes
             if size < total:
                 # Mapping past the end of the file would fault (SIGBUS) on first read.
                 raise SegmentFormatError(
@@ -264,7 +294,7 @@ class Segment:
             mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        return cls(name, layout, mm, is_owner=False)
+        return cls(name, layout, mm, is_owner=False, placement=placement)
 
     @property
     def name(self) -> str:
@@ -277,6 +307,11 @@ class Segment:
     @property
     def is_owner(self) -> bool:
         return self._is_owner
+
+    @property
+    def placement(self) -> int:
+        """PLACEMENT_SEGMENT (pages in the segment) or PLACEMENT_DEVICE (metadata only)."""
+        return self._placement
 
     @property
     def closed(self) -> bool:
@@ -293,7 +328,7 @@ class Segment:
         if self._mm is None:
             raise PageStoreError(f"segment {self._name!r} is closed")
         mm, layout = self._mm, self._layout
-        offsets = regions(layout)
+        offsets = regions(layout, self._placement)
         # Writable for the owner; a read-only view for readers (numpy honours it).
         generations = np.frombuffer(
             mm, dtype="<i8", count=layout.num_pages, offset=offsets.generations_offset
@@ -304,6 +339,8 @@ class Segment:
             count=layout.num_pages * DIGEST_BYTES,
             offset=offsets.digests_offset,
         ).reshape(layout.num_pages, DIGEST_BYTES)
+        if self._placement != PLACEMENT_SEGMENT:
+            return SegmentViews(generations, digests, None)
         with warnings.catch_warnings():
             # A reader's mapping is read-only by design; torch only warns that it cannot
             # mark the tensor so.
@@ -346,7 +383,7 @@ class Segment:
         """Raise AssertionError unless the segment is mapped and its header in shared memory
         still describes its layout."""
         assert self._mm is not None, f"store {self._name!r} is closed"
-        assert self._mm[: _HEADER.size] == pack_header(self._layout), (
+        assert self._mm[: _HEADER.size] == pack_header(self._layout, self._placement), (
             f"segment {self._name!r}: header no longer matches layout {self._layout}"
         )
 

@@ -23,6 +23,11 @@ expects, read twice:
   was last freed). A page an index advertised before its owner published it may be
   mid-write; seen empty before the copy, it is refused, where a digest set during the
   copy would otherwise vouch for torn bytes.
+
+The copy itself (`copy_rows`) is a memcpy per run of consecutive pages when pages and
+`out` are both on the CPU; when either is on a CUDA device it is one gather on a stream of
+its own (`workers.store.cuda_ipc.gather`), and the stream is synchronised before the
+second reads, so they come after the last byte has landed.
 """
 
 from __future__ import annotations
@@ -84,12 +89,14 @@ def copy_validated(
     the order the module docstring explains. Arguments are checked by the caller.
 
     Args:
-        pages: a store's pages, `(num_pages, *page_shape)`, in shared memory.
+        pages: a store's pages, `(num_pages, *page_shape)`, in shared memory or on a
+            device.
         generations: its generation counters, `(num_pages,)` int64, in shared memory.
         recorded: its recorded digests, `(num_pages, DIGEST_BYTES)` uint8, in shared memory.
         rows: the page ids to copy, `(n,)` int64, each in range.
         expected: one expected generation per page, `(n,)` int64.
-        out: `(n, *page_shape)` of the pages' dtype, on the CPU.
+        out: `(n, *page_shape)` of the pages' dtype, on the pages' device or (from a
+            CUDA device) on the CPU, pinned for speed.
         wanted: None, or one expected digest per page, `(n, DIGEST_BYTES)` uint8.
 
     Returns:
@@ -98,12 +105,7 @@ def copy_validated(
     before = generations[rows]  # fancy indexing: a copy, not a view
     if wanted is not None:
         digests_before = recorded[rows]
-    # Runs of consecutive pages copy as plain slices (a memcpy each); index_select
-    # gathers row by row and is markedly slower on large pages.
-    offset = 0
-    for length, first in _runs(rows):
-        out[offset : offset + length].copy_(pages[first : first + length])
-        offset += length
+    copy_rows(pages, rows, out)
     valid = before == expected
     if wanted is not None:
         digests_after = recorded[rows]
@@ -113,3 +115,43 @@ def copy_validated(
     after = generations[rows]
     valid &= after == expected
     return ValidatedCopy(valid.tolist())
+
+
+def copy_rows(pages: torch.Tensor, rows: np.ndarray, out: torch.Tensor) -> None:
+    """Copy `pages[rows]` into `out` and return once every byte has landed.
+
+    Args:
+        pages: `(num_pages, *page_shape)`.
+        rows: `(n,)` int64 page ids, each in range.
+        out: `(n, *page_shape)` of the pages' dtype.
+    """
+    if pages.device.type == "cpu" and out.device.type == "cpu":
+        # Runs of consecutive pages copy as plain slices (a memcpy each); index_select
+        # gathers row by row and is markedly slower on large pages.
+        offset = 0
+        for length, first in _runs(rows):
+            out[offset : offset + length].copy_(pages[first : first + length])
+            offset += length
+        return
+    from workers.store import cuda_ipc  # only a device store gets here
+
+    cuda_ipc.gather(pages, rows, out)
+
+
+def paste_rows(pages: torch.Tensor, rows: np.ndarray, kv: torch.Tensor) -> None:
+    """`pages[rows[i]] = kv[i]`, the owner's bulk write, returning once it has landed.
+
+    Args:
+        pages: `(num_pages, *page_shape)`.
+        rows: `(n,)` int64 distinct page ids, each in range.
+        kv: `(n, *page_shape)` of the pages' dtype.
+    """
+    if pages.device.type == "cpu" and kv.device.type == "cpu":
+        offset = 0
+        for length, first in _runs(rows):
+            pages[first : first + length].copy_(kv[offset : offset + length])
+            offset += length
+        return
+    from workers.store import cuda_ipc  # only a device store gets here
+
+    cuda_ipc.scatter(pages, rows, kv)

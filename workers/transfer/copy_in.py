@@ -1,18 +1,21 @@
 """Copying a request's cached pages in from the workers that hold them.
 
 Where pages come from (`PageSource`): a same-node holder's shared memory, attached by name
-(`SharedMemorySource`), or another node's page server (`PageServerSource`). `Sources`
-keeps one per peer, so stores stay attached and connections open between requests, and
-lets a forgotten or dead peer's source go.
+(`SharedMemorySource`), or another node's page server (`PageServerSource`); a holder's
+disk records from its data file on the same node (`PeerDiskSource`), else from its page
+server too. `Sources` keeps one per peer (and one per peer's disk), so stores stay
+attached and connections open between requests, and lets a forgotten or dead peer's go.
 
 Which holder gives which pages (`plan_copy`). The service's match lists holders, each with
 prompt pages 0 .. reach-1. Pages [first, end) are cut where holders' reaches end; every
 page some usable holder has is planned (a same-node holder that stops short leaves the rest
-to remote holders, not to a recompute). Within a range, pages go one by one to the holder
-that would finish it soonest (its latency once, then page_bytes / rate a page), so holders
-finish together and a fast same-node memcpy takes most; a slow holder gets pages only when
-even one page of its own finishes before the faster holders would. The deepest range goes
-first, since fewer holders cover it; shallower ranges then fill the idle holders:
+to remote holders, not to a recompute); a holder may start past page 0 (`starts`: a peer's
+disk part gives only the pages after its host ones). Within a range, pages go one by one
+to the holder that would finish it soonest (its latency once, then page_bytes / rate a
+page), so holders finish together and a fast same-node memcpy takes most; a slow holder
+gets pages only when even one page of its own finishes before the faster holders would.
+The deepest range goes first, since fewer holders cover it; shallower ranges then fill
+the idle holders:
 
     prompt pages   first                  r1                   end
     holder A (r1)  |======================|
@@ -41,6 +44,7 @@ from workers.store.segment_names import owner_alive
 from workers.transfer.costs import Link
 from workers.transfer.page_client import PageClient
 from workers.transfer.page_wire import TransferAuth
+from workers.transfer.peer_disk import DISK_HOLDER, PeerDisks, PeerDiskSource, peer_data_path
 from workers.transfer.peers import PeerInfo
 from workers.transfer.shm_copy import copy_from_peer
 
@@ -96,6 +100,17 @@ class SharedMemorySource:
     @property
     def attached(self) -> bool:
         return self._store is not None
+
+    def id_base(self) -> int | None:
+        """The holder's page count: its first disk page id (None: it cannot be attached)."""
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = SharedPageStore.attach(self.shm_name)
+            except (PageStoreError, FileNotFoundError, ValueError) as exc:
+                log.warning("cannot attach %s: %s", self.worker_id, exc)
+                return None
+            return self._store.num_pages
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
         with self._lock:
@@ -157,10 +172,17 @@ class Sources:
         auth: our page-transfer credentials (None: authentication off).
     """
 
-    def __init__(self, node_id: str, auth: TransferAuth | None):
+    def __init__(
+        self,
+        node_id: str,
+        auth: TransferAuth | None,
+        disks: PeerDisks | None = None,
+    ):
         self.node_id = node_id
         self.auth = auth
+        self.disks = disks  # None: same-node peers' disk records come by page server
         self._sources: dict[str, tuple[PeerInfo, SharedMemorySource | PageServerSource]] = {}
+        self._disks: dict[str, tuple[PeerInfo, PeerDiskSource]] = {}
         self._lock = threading.Lock()
 
     def get(self, peer: PeerInfo) -> PageSource:
@@ -180,12 +202,32 @@ class Sources:
             self._sources[peer.worker_id] = (peer, source)
             return source
 
-    def forget(self, worker_id: str) -> None:
-        """Close a peer's source (it left, or its info changed)."""
+    def get_disk(self, peer: PeerInfo) -> PageSource:
+        """The source of `peer`'s disk records: its data file on the same node, else its
+        page server (the source of its host pages)."""
+        if peer.node_id != self.node_id or self.disks is None:
+            return self.get(peer)
+        shm = self.get(peer)
+        assert isinstance(shm, SharedMemorySource)
         with self._lock:
-            held = self._sources.pop(worker_id, None)
-        if held is not None:
-            held[1].close()
+            held = self._disks.get(peer.worker_id)
+            if held is not None and held[0] == peer:
+                return held[1]
+            if held is not None:
+                held[1].close()
+            path = peer_data_path(self.disks, peer.worker_id)
+            key = DISK_HOLDER.format(peer.worker_id)
+            source = PeerDiskSource(key, peer.node_id, path, self.disks, shm.id_base)
+            self._disks[peer.worker_id] = (peer, source)
+            return source
+
+    def forget(self, worker_id: str) -> None:
+        """Close a peer's sources (it left, or its info changed)."""
+        with self._lock:
+            held = [self._sources.pop(worker_id, None), self._disks.pop(worker_id, None)]
+        for each in held:
+            if each is not None:
+                each[1].close()
 
     def detach_dead(self) -> list[str]:
         """Detach same-node stores whose owners died (the mapping would keep their memory
@@ -208,7 +250,8 @@ class Sources:
 
     def close(self) -> None:
         with self._lock:
-            held, self._sources = list(self._sources.values()), {}
+            held = [*self._sources.values(), *self._disks.values()]
+            self._sources, self._disks = {}, {}
         for _, source in held:
             source.close()
 
@@ -243,24 +286,36 @@ def plan_copy(
     end: int,
     links: Mapping[str, Link],
     page_bytes: int,
+    starts: Mapping[str, int] | None = None,
 ) -> tuple[CopyTask, ...]:
     """Split prompt pages [first, end) among the holders that have them (see the module
-    docstring for the rule). Holders not in `links` (unknown peers) are skipped.
+    docstring for the rule). Holders not in `links` (unknown peers) are skipped; a holder
+    in `starts` gives no page before its start.
 
     Returns:
         Tasks in prompt order, contiguous from `first`; empty when no usable holder has
-        page `first`. They end where the longest usable holder's pages end, if before `end`.
+        page `first`. They end where the usable holders stop covering the prompt without
+        a gap, if before `end`.
     """
-    usable = [s for s in spans if s.worker_id in links and len(s.page_ids) > first]
-    if not usable or end <= first:
+    starts = starts or {}
+
+    def start(s: HolderSpan) -> int:
+        return max(first, starts.get(s.worker_id, 0))
+
+    usable = [s for s in spans if s.worker_id in links and len(s.page_ids) > start(s)]
+    reach = first  # how far holders cover the prompt from `first` without a gap
+    while more := [len(s.page_ids) for s in usable if start(s) <= reach < len(s.page_ids)]:
+        reach = max(more)
+    end = min(end, reach)
+    if end <= first:
         return ()
-    end = min(end, max(len(s.page_ids) for s in usable))
-    # Range boundaries: where some holder's pages end.
-    cuts = sorted({first, end} | {len(s.page_ids) for s in usable if first < len(s.page_ids) < end})
+    # Range boundaries: where some holder's pages start or end.
+    bounds = {len(s.page_ids) for s in usable} | {start(s) for s in usable}
+    cuts = sorted({first, end} | {b for b in bounds if first < b < end})
     busy = {s.worker_id: 0.0 for s in usable}  # seconds planned per holder so far
     tasks: list[CopyTask] = []
     for lo, hi in reversed(list(zip(cuts, cuts[1:], strict=False))):
-        covering = [s for s in usable if len(s.page_ids) >= hi]
+        covering = [s for s in usable if start(s) <= lo and len(s.page_ids) >= hi]
         counts = _share(hi - lo, [links[s.worker_id] for s in covering], covering, busy, page_bytes)
         # Earlier pages to the faster holders: a failure there costs the most prefix.
         order = sorted(

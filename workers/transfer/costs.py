@@ -298,13 +298,14 @@ class LinkRates:
         self._remote: dict[str, bool] = {}
         self.fetches: dict[str, int] = {}
 
-    def link(self, holder: str, remote: bool) -> Link:
-        """The current estimate for `holder`'s link."""
+    def link(self, holder: str, remote: bool, prior: Link | None = None) -> Link:
+        """The current estimate for `holder`'s link; before its first real fetch, `prior`
+        if given (a peer's disk), else the probe's."""
         probe = self.probe[remote]
         with self._lock:
             s_per_byte = self._s_per_byte.get(holder)
         if s_per_byte is None:
-            return probe
+            return probe if prior is None else prior
         return probe._replace(bytes_per_s=1.0 / s_per_byte)
 
     def observe(self, holder: str, remote: bool, nbytes: int, seconds: float) -> None:

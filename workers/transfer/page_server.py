@@ -1,5 +1,10 @@
 """The page server: serves reads of one worker's pages to workers on other nodes.
 
+Its host pages leave straight from shared memory; with a disk tier below (`ServedDisk`),
+page ids from the disk's id base on name disk records, each read and verified when its
+turn to be sent comes (`workers.transfer.peer_disk`), and a record that does not verify
+is answered invalid, never sent as valid.
+
 A ROUTER thread that serves many requests interleaved, one burst of pages each per turn,
 with bounded queues per peer, so a slow or stalled reader holds only its own request; it
 survives every error and is restarted if it dies anyway. The design is in
@@ -43,6 +48,7 @@ from workers.transfer.page_wire import (
     decode_request,
     pack_map,
 )
+from workers.transfer.peer_disk import ServedDisk
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,7 @@ class _Serving:
     pages: np.ndarray  # (n,) int64 page ids
     expected: np.ndarray  # (n,) int64 generations asked for
     sendable: np.ndarray  # (n,) bool: generation matched when admitted: bytes are sent
-    digests: list[bytes]  # (n,) recorded when admitted
+    digests: list[bytes]  # (n,) recorded when admitted (disk pages: when read)
     deadline: float
     header: bytes | None  # still to send
     next_page: int = 0
@@ -91,6 +97,7 @@ class PageServer:
         late_readers: with encryption, admits readers beyond `auth.peers` that joined the
             mesh after this server started (`cache_service.zap.LateKeys`); asked, on the
             ZAP handler's thread, only for keys not in `auth.peers`.
+        disk: the worker's disk tier, whose records are served at ids from its id base.
 
     Raises:
         ValueError: `host` means every interface, or `auth` is malformed.
@@ -104,6 +111,7 @@ class PageServer:
         auth: TransferAuth | None = None,
         request_timeout_s: float = 5.0,
         late_readers: Callable[[bytes], bool] | None = None,
+        disk: ServedDisk | None = None,
     ):
         check_bind_host(host, "page server host")
         if auth is not None:
@@ -111,6 +119,8 @@ class PageServer:
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {request_timeout_s}")
         self.store = store
+        self.disk = disk
+        self._id_end = store.num_pages if disk is None else disk.id_base + disk.capacity
         self.auth = auth
         self.request_timeout_s = request_timeout_s
         page_bytes = store.layout.page_bytes
@@ -352,10 +362,12 @@ class PageServer:
             self._send_quietly(socket, identity, pack_map(id=request_id, error=str(exc)))
             return
         # The first reads, generations then digests (as `copy_pages_validated` does): a
-        # page already reused is not sent at all.
-        before = np.asarray(self.store.generations(pages), dtype=np.int64)
-        digests = self.store.digests(pages)
-        sendable = before == expected
+        # page already reused is not sent at all. Disk pages are read when sent.
+        host, ids = self._host_pages(pages)
+        before = np.asarray(self.store.generations(ids), dtype=np.int64)
+        digests = self._host_digests(host, ids, [EMPTY_DIGEST] * len(pages))
+        sendable = ~host
+        sendable[host] = before == expected[host]
         header = pack_map(id=request_id, n=len(pages), page_bytes=self.store.layout.page_bytes)
         serving = _Serving(
             identity,
@@ -368,7 +380,7 @@ class PageServer:
             deadline=time.monotonic() + self.request_timeout_s,
             header=header,
         )
-        tracked = np.flatnonzero(sendable)
+        tracked = np.flatnonzero(sendable & host)
         serving.last_tracked = int(tracked[-1]) if len(tracked) else -1
         self._active.append(serving)
 
@@ -381,8 +393,8 @@ class PageServer:
                 f"{n} pages of {page_bytes} bytes exceed {self._max_pages} per request "
                 f"(at most {MAX_PAGES_PER_REQUEST} pages and {MAX_REQUEST_PAGE_BYTES} bytes)"
             )
-        if pages.min() < 0 or pages.max() >= self.store.num_pages:
-            raise TransferError(f"page ids outside [0, {self.store.num_pages})")
+        if pages.min() < 0 or pages.max() >= self._id_end:
+            raise TransferError(f"page ids outside [0, {self._id_end})")
 
     def _check_capacity(self, identity: bytes, key: bytes) -> None:
         """Refuse a request past the bounds in flight: of its key (however many connections
@@ -456,11 +468,15 @@ class PageServer:
 
     def _send_page(self, socket: zmq.Socket, serving: _Serving, i: int) -> None:
         prefix = PAGE_PREFIX.pack(PAGE_MAGIC, TRANSFER_VERSION, serving.request_id, i)
+        page = int(serving.pages[i])
+        view = None
+        if serving.sendable[i] and page >= self.store.num_pages:
+            view = self._read_disk(serving, i)  # None: it did not verify, not sent
         if not serving.sendable[i]:
             socket.send_multipart([serving.identity, prefix, b""], zmq.NOBLOCK)
             return
-        # Zero-copy: ZMQ reads the bytes straight out of shared memory.
-        view = self.store.page_buffer(int(serving.pages[i]))
+        if view is None:  # zero-copy: ZMQ reads the bytes straight out of shared memory
+            view = self.store.page_buffer(page)
         track = i == serving.last_tracked
         socket.send(serving.identity, zmq.SNDMORE | zmq.NOBLOCK)  # may raise Again: no part sent
         socket.send(prefix, zmq.SNDMORE)
@@ -469,6 +485,31 @@ class PageServer:
             serving.tracker = tracker
         self.pages_sent += 1
 
+    def _read_disk(self, serving: _Serving, i: int) -> bytearray | None:
+        """Disk page i of a request, read and verified now (its record's generation the
+        one asked for) into a buffer of its own; else None and the page is not sent."""
+        assert self.disk is not None  # ids past the host store's are refused without one
+        out = bytearray(self.store.layout.page_bytes)
+        digest = self.disk.read_page(int(serving.pages[i]), int(serving.expected[i]), out)
+        if digest is None:
+            serving.sendable[i] = False
+            return None
+        serving.digests[i] = digest
+        return out
+
+    def _host_pages(self, pages: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Which of `pages` are in shared memory (not the disk's), and their ids."""
+        host = pages < self.store.num_pages
+        return host, pages[host].tolist()
+
+    def _host_digests(self, host: np.ndarray, ids: list[int], digests: list[bytes]) -> list[bytes]:
+        """`digests` with the host pages' replaced by what the store records now."""
+        if len(ids) == len(digests):  # every page in shared memory: the store's, as they are
+            return self.store.digests(ids)
+        for i, digest in zip(np.flatnonzero(host).tolist(), self.store.digests(ids), strict=True):
+            digests[i] = digest
+        return digests
+
     def _trailer(self, serving: _Serving) -> bytes:
         """The verdict, once ZMQ has released every page: digests, then generations.
 
@@ -476,10 +517,11 @@ class PageServer:
         before the second generation read): a page published during the send may have
         been mid-write when its bytes left (see `SharedPageStore.copy_pages_validated`).
         """
-        pages = serving.pages.tolist()
-        digests = self.store.digests(pages)
-        after = np.asarray(self.store.generations(pages), dtype=np.int64)
-        valid = serving.sendable & (after == serving.expected)
+        host, ids = self._host_pages(serving.pages)
+        after = np.asarray(self.store.generations(ids), dtype=np.int64)
+        valid = serving.sendable.copy()  # a disk page: read verified when it was sent
+        valid[host] &= after == serving.expected[host]
+        digests = self._host_digests(host, ids, list(serving.digests))
         held = b"".join(
             now if ok and now == then else EMPTY_DIGEST
             for now, then, ok in zip(digests, serving.digests, valid, strict=True)

@@ -25,6 +25,7 @@ from workers.engines.blocks import (
 )
 from workers.engines.engine import EngineCache, EngineIndex, LoadSpec, SaveSpec
 from workers.engines.enrollment import Enrollment, engine_namespace
+from workers.engines.kv_layouts import LAYOUTS, KVLayoutError, detect_layout, layer_views
 from workers.service.client import ServiceClient, ServiceEndpoint, ServiceError, ServiceUnavailable
 
 P = 4  # the index's tokens per page
@@ -34,7 +35,8 @@ SECRET = bytes(range(32))
 
 
 def vllm_caches(seed: int) -> dict[str, torch.Tensor]:
-    """Per-layer caches in vLLM's CPU layout, (num_blocks, kv_heads, block, 2 * head_dim)."""
+    """Per-layer caches of vLLM's per-layer views' shape, (num_blocks, kv_heads, block,
+    2 * head_dim)."""
     g = torch.Generator().manual_seed(seed)
     shape = (BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
     # Named as vLLM names them, in an order that is not the model's.
@@ -47,9 +49,13 @@ def vllm_caches(seed: int) -> dict[str, torch.Tensor]:
 # ---- blocks and pages ---------------------------------------------------------------------
 
 
+def views(caches: list[torch.Tensor], layout: str = "per_token_kv"):
+    return layer_views(caches, LAYOUTS[layout], HEAD_DIM)
+
+
 def test_a_block_is_its_pages_in_token_order():
-    layers = kv_layers(vllm_caches(0))
-    pages = blocks_to_pages(layers, [5, 2], P)
+    layers = kv_layers(vllm_caches(0))  # each token's K then its V on the last dim
+    pages = blocks_to_pages(views(layers), [5, 2], P)
     assert pages.shape == (4, LAYERS, 2, HEADS, P, HEAD_DIM)
     for layer, cache in enumerate(layers):
         for token in range(BLOCK):
@@ -58,7 +64,7 @@ def test_a_block_is_its_pages_in_token_order():
             assert torch.equal(pages[page, layer, 1, :, slot], cache[5, :, token, HEAD_DIM:])
             assert torch.equal(pages[2 + page, layer, 1, :, slot], cache[2, :, token, HEAD_DIM:])
     into = [torch.zeros_like(cache) for cache in layers]
-    pages_to_blocks(pages, into, [0, 7])
+    pages_to_blocks(pages, views(into), [0, 7])
     for cache, filled in zip(layers, into, strict=True):
         assert torch.equal(filled[0], cache[5]) and torch.equal(filled[7], cache[2])
         assert not filled[1:7].any() and not filled[8:].any()  # nothing else written
@@ -75,16 +81,17 @@ def test_layers_come_in_model_order():
 
 
 def test_the_layout_follows_the_caches_and_refuses_what_it_cannot_cut():
-    layers = kv_layers(vllm_caches(0))
+    layers = views(kv_layers(vllm_caches(0)))
     layout = engine_layout(layers, BLOCK, P, num_blocks=10)
     assert (layout.num_pages, layout.num_layers, layout.num_kv_heads) == (20, LAYERS, HEADS)
     assert (layout.page_tokens, layout.head_dim, layout.dtype) == (P, HEAD_DIM, "bfloat16")
     with pytest.raises(ValueError, match="not a whole number"):
         engine_layout(layers, BLOCK, 3, num_blocks=10)
-    with pytest.raises(ValueError, match="expected \\(num_blocks, kv_heads, 16"):
-        engine_layout(layers, 16, P, num_blocks=10)
-    with pytest.raises(ValueError, match="different shapes"):
-        engine_layout([layers[0], layers[1].float()], BLOCK, P, num_blocks=10)
+    caches = kv_layers(vllm_caches(0))
+    with pytest.raises(KVLayoutError, match="blocks of 12 tokens"):
+        detect_layout(caches[0], HEADS, HEAD_DIM, 12, "cpu_attn")  # 8 does not divide 12
+    with pytest.raises(KVLayoutError, match="KV caches differ"):
+        views([caches[0], caches[1].float()])
 
 
 def test_namespaces_name_the_model_format_adapter_and_a_secret_salt():
@@ -168,9 +175,10 @@ def engines(mesh_service):
 
     def make(worker_id: str, node_id: str = "node-1", encrypt: bool = True) -> EngineCache:
         enrollment = enroll(mesh_service, worker_id, node_id, encrypt)
-        caches = kv_layers(vllm_caches(len(made)))
-        engine = EngineCache(enrollment, engine_layout(caches, BLOCK, P, BLOCKS), BLOCK)
-        engine.layers = caches  # what vLLM would have registered
+        caches = kv_layers(vllm_caches(len(made)))  # what vLLM would have registered
+        layers = views(caches, "cpu_attn")
+        engine = EngineCache(enrollment, engine_layout(layers, BLOCK, P, BLOCKS), BLOCK)
+        engine.caches, engine.layers = caches, layers
         made.append(engine)
         return engine
 
@@ -178,7 +186,8 @@ def engines(mesh_service):
         """The same engine (id, key) started again: a new store and page server."""
         engine.close()
         again = EngineCache(engine.enrollment, engine.store.layout, BLOCK)
-        again.layers = kv_layers(vllm_caches(len(made)))
+        again.caches = kv_layers(vllm_caches(len(made)))
+        again.layers = views(again.caches, "cpu_attn")
         made[made.index(engine)] = again
         return again
 
@@ -224,7 +233,7 @@ def test_an_engine_loads_what_another_saved_exactly(engines):
     spec = load_spec(b, PROMPT + [1, 2], [7, 0, 11])
     assert spec.end == 3 and [s.worker_id for s in spec.spans] == ["vllm-a"]
     assert b.load(spec, b.layers) == set()  # nothing failed
-    for mine, theirs in zip(b.layers, a.layers, strict=True):
+    for mine, theirs in zip(b.caches, a.caches, strict=True):
         for asked, held in ((7, 4), (0, 9), (11, 1)):
             assert torch.equal(mine[asked], theirs[held])
     assert b.loaded_blocks == 3 and b.refused_pages == 0
@@ -250,7 +259,7 @@ def test_an_engine_on_another_node_loads_through_the_page_server(engines, encryp
     spec = load_spec(far, PROMPT, [2, 5, 8], salt="alice")
     assert spec.end == 3 and [p.node_id for p in spec.peers] == ["node-1"]
     assert far.load(spec, far.layers) == set()
-    for mine, theirs in zip(far.layers, a.layers, strict=True):
+    for mine, theirs in zip(far.caches, a.caches, strict=True):
         for asked, held in ((2, 4), (5, 9), (8, 1)):
             assert torch.equal(mine[asked], theirs[held])
     assert a.page_server.pages_sent == 3 * BLOCK // P  # no shared memory between nodes
@@ -265,9 +274,9 @@ def test_a_page_freed_on_another_node_is_refused(engines):
     far = engines("vllm-far", node_id="node-2")
     spec = load_spec(far, PROMPT, [2, 5, 8])
     a.cache.clear()  # A's pages are freed after the index named them (generations move on)
-    before = [layer.clone() for layer in far.layers]
+    before = [layer.clone() for layer in far.caches]
     assert far.load(spec, far.layers) == {2, 5, 8}  # vLLM recomputes them all
-    assert all(torch.equal(n, b) for n, b in zip(far.layers, before, strict=True))
+    assert all(torch.equal(n, b) for n, b in zip(far.caches, before, strict=True))
     assert far.refused_pages >= 1 and far.loaded_blocks == 0
 
 
@@ -288,7 +297,7 @@ def test_a_restarted_holder_is_found_at_its_new_store_and_page_server(engines):
     spec = LoadSpec("r", ns(b), tuple(PROMPT[: 3 * BLOCK]), 0, (7, 0, 11), spans, (peer,))
     assert found == 3 and b.load(spec, b.layers) == set()
     for asked, held in ((7, 4), (0, 9), (11, 1)):
-        assert torch.equal(b.layers[0][asked], a.layers[0][held])
+        assert torch.equal(b.caches[0][asked], a.caches[0][held])
 
 
 def test_pages_that_hold_other_tokens_are_refused(engines):
@@ -306,10 +315,10 @@ def test_pages_that_hold_other_tokens_are_refused(engines):
         assert client.publish_events("vllm-x", epoch, 1, [forged]).applied
     spec = load_spec(b, PROMPT, [7, 0, 11])
     assert spec.end == 3  # the index believes it
-    before = [layer.clone() for layer in b.layers]
+    before = [layer.clone() for layer in b.caches]
     assert b.load(spec, b.layers) == {7, 0, 11}  # all refused: vLLM recomputes them
     assert b.refused_pages >= 1 and b.loaded_blocks == 0
-    for now, then in zip(b.layers, before, strict=True):
+    for now, then in zip(b.caches, before, strict=True):
         assert torch.equal(now, then)  # not a byte of vLLM's blocks changed
 
 

@@ -25,8 +25,11 @@ from workers.serving.model_loader import (
     full_prefill_logits,
     load_model,
     load_smollm2,
+    rope_theta,
+    smollm2_shaped,
     tiny_llama,
 )
+from workers.serving.models import KNOWN_MODELS
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,34 @@ def test_smollm2_eos_is_im_end(smollm2):
     model, tokenizer = smollm2
     assert eos_token_ids(model, tokenizer) == {2}
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def test_smollm2_shaped_is_the_known_shape_seeded_tied_in_any_dtype():
+    shape, expected = model_loader.SMOLLM2_135M_SHAPE, KNOWN_MODELS["smollm2-135m"]
+    kv = (shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"])
+    assert kv == expected[:3]
+    assert (shape["max_position_embeddings"], shape["vocab_size"]) == expected[3:]
+    # Fewer layers and tokens than the real shape: the same code, built in a blink.
+    small = {"num_hidden_layers": 1, "vocab_size": 1024}
+    model = smollm2_shaped(seed=4, dtype=torch.bfloat16, **small)
+    config = model.config
+    sizes = (config.hidden_size, config.intermediate_size, config.num_attention_heads)
+    assert sizes == (576, 1536, 9)
+    assert (config.num_key_value_heads, config.head_dim, rope_theta(config)) == (3, 64, 1e5)
+    assert model.dtype == torch.bfloat16 and not model.training
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    again = smollm2_shaped(seed=4, **small)  # float32: the same draws, unrounded
+    assert torch.equal(again.model.embed_tokens.weight.bfloat16(), model.model.embed_tokens.weight)
+
+
+@pytest.mark.slow
+def test_smollm2_shaped_has_the_real_models_config(smollm2):
+    real = smollm2[0].config
+    for field, value in model_loader.SMOLLM2_135M_SHAPE.items():
+        if field == "rope_theta":
+            assert rope_theta(real) == value
+        else:
+            assert getattr(real, field) == pytest.approx(value, rel=1e-6), field
 
 
 def test_eos_token_ids_unions_every_source():

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from cache_service.events import Namespace
 from tests.workers.model_fixtures import (
     NS,
     hf_greedy,
@@ -24,7 +25,7 @@ from tests.workers.model_fixtures import (
     reference_logits,
 )
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
-from workers.serving.batch_runner import BatchRunner
+from workers.serving.batch_runner import BatchRunner, Chunk
 from workers.serving.compaction import CompactionConfig, Compactor
 from workers.serving.loop import ServingLoop
 from workers.serving.model_loader import eos_token_ids, store_layout_for, tiny_llama
@@ -32,6 +33,7 @@ from workers.serving.sampling import Sampler, SamplingParams
 from workers.serving.scheduler import CacheFull, Scheduler, SchedulerConfig
 from workers.serving.sequence import Phase, Sequence
 from workers.store.page_store import SharedPageStore
+from workers.transfer.spot_check import SpotCheck, kv_error, tolerance
 
 P = 4
 
@@ -441,3 +443,64 @@ def test_smollm2_reuses_a_250_token_prefix(smollm2):
             file=sys.stderr,
         )
         s.check_integrity()
+
+
+def test_a_spot_checked_copy_leaves_every_other_sequence_its_own_chunk_and_logits(tiny):
+    """A copy's spot check rides in the pass after every sequence's chunk: the sequences
+    admitted beside it keep their own chunks, and each is sampled from its own row."""
+    copied, short, long = (
+        make_prompt(24, seed=40),
+        make_prompt(9, seed=41),
+        make_prompt(30, seed=42),
+    )
+    judged = []
+
+    def copy_in(seq: Sequence) -> int:
+        if seq.prompt != copied:
+            return seq.allocation.cached_tokens
+        # The first 4 pages from a holder: the same prompt computed under another tenant.
+        pages = seq.allocation.pages
+        for page, source in zip(pages[:4], donor.pages[:4], strict=True):
+            store.write_page(page, store.page(source).clone())
+        slot = store.page(pages[3])[:, :, :, P - 1]
+        held = slot.clone()
+
+        def judge() -> bool:
+            judged.append(kv_error(held, slot))
+            return judged[-1] <= tolerance("float32")
+
+        seq.checks.append(SpotCheck(4 * P - 1, judge))
+        return 4 * P
+
+    store = SharedPageStore.create(store_layout_for(tiny, 96, P), tag="copied")
+    try:
+        cache = PrefixCache(store, PrefixCacheConfig(page_tokens=P))
+        scheduler = Scheduler(cache, SchedulerConfig(copy_threads=3), copy_in=copy_in)
+        runner = BatchRunner(tiny, store)  # the passes are run here, one by one
+        donor = cache.acquire(copied, Namespace(NS.model, "", "holder"))
+        runner.forward([Chunk(donor.pages, copied, 0)])
+        batch = [seq(copied, 1), seq(long, 1), seq(short, 1)]
+        for x in batch:
+            x.checks = []
+        scheduler.add(batch)
+        assert not scheduler.schedule().chunks  # admitted: copying
+        for x in batch:
+            x.copying.result(timeout=30)
+        step = scheduler.schedule()
+        assert step.sequences == batch and len(step.checks) == 1
+        assert [(c.start, c.end) for _, c in step.pairs()] == [(16, 24), (0, 30), (0, 9)]
+        logits = runner.forward(step.chunks)
+        scheduler.after_forward(step)
+        assert judged and judged[0] <= tolerance("float32")
+        assert [x.computed for x in batch] == [24, 30, 9]
+        assert [x.hits for x in batch] == [(0, 16), (0, 0), (0, 0)]
+        for x, row in zip(batch, logits, strict=False):
+            assert max_diff(row, alone(tiny, x.prompt)[1]) < 1e-4
+            scheduler.finish(x, "length")
+        donor.release()
+        scheduler.check_integrity()
+        cache.check_integrity()
+        store.check_integrity()
+        scheduler.close()
+    finally:
+        store.close()

@@ -63,8 +63,12 @@ def test_double_free_raises_and_changes_nothing(store):
 def test_create_rejects_bad_tag_and_other_devices():
     with pytest.raises(ValueError, match="tag must match"):
         SharedPageStore.create(make_layout(), tag="Bad-Tag")
-    with pytest.raises(NotImplementedError, match="cuda"):
-        SharedPageStore.create(make_layout(), device="cuda")
+    with pytest.raises(ValueError, match="page store on meta: the device must be cpu or cuda"):
+        SharedPageStore.create(make_layout(), device="meta")
+    if not torch.cuda.is_available():  # no CUDA here: a clear error, and no segment left
+        with pytest.raises(PageStoreError, match="page store on cuda: no CUDA device"):
+            SharedPageStore.create(make_layout(), tag="nocuda", device="cuda")
+        assert not any(name.endswith("-nocuda") for name in os.listdir(SHM_DIR))
     with SharedPageStore.create(make_layout(), tag="twice") as store:
         with pytest.raises(PageStoreError, match="already exists"):
             SharedPageStore.create(make_layout(), tag="twice")
@@ -266,7 +270,7 @@ def test_the_store_parts_names_are_importable_from_the_page_store():
     for module in (layout, segment, segment_names, validated_copy):
         for name in set(page_store.__all__) & set(vars(module)):
             assert getattr(page_store, name) is getattr(module, name), name
-    assert page_store.FORMAT_VERSION == segment.FORMAT_VERSION == 2
+    assert page_store.FORMAT_VERSION == segment.FORMAT_VERSION == 3
     assert page_store.reclaim_dead_segments is segment_names.reclaim_dead_segments
     assert page_store.ValidatedCopy is validated_copy.ValidatedCopy
     assert (workers.SharedPageStore, workers.StoreLayout) == (SharedPageStore, layout.StoreLayout)

@@ -20,7 +20,13 @@ from workers.store.layout import (
     SegmentNotFoundError,
 )
 from workers.store.page_store import SharedPageStore
-from workers.store.segment import FORMAT_VERSION, Segment, pack_header, unpack_header
+from workers.store.segment import (
+    FORMAT_VERSION,
+    PLACEMENT_SEGMENT,
+    Segment,
+    pack_header,
+    unpack_header,
+)
 from workers.store.segment_names import SHM_DIR
 
 
@@ -40,14 +46,15 @@ def test_attach_missing_or_foreign_segment_is_a_clear_error():
         os.unlink(foreign)
 
 
-@pytest.mark.parametrize("version", [1, 99])
+@pytest.mark.parametrize("version", [1, 2, 99])
 def test_attach_rejects_another_format_version(store, version):
-    # Version 1 segments had no digest region: reading one as ours would misplace the pages.
-    assert FORMAT_VERSION == 2
+    # Version 1 segments had no digest region and version 2 no placement field: reading one
+    # as ours would misplace the pages.
+    assert FORMAT_VERSION == 3
     with open(os.path.join(SHM_DIR, store.name), "r+b") as f:
         f.seek(8)
         f.write(version.to_bytes(8, "little"))
-    with pytest.raises(SegmentFormatError, match=f"format version {version}, this build reads 2"):
+    with pytest.raises(SegmentFormatError, match=f"format version {version}, this build reads 3"):
         SharedPageStore.attach(store.name)
     with pytest.raises(AssertionError, match="header no longer matches"):
         store.check_integrity()
@@ -171,7 +178,7 @@ def test_a_reader_segment_maps_the_owners_memory_read_only():
 def test_a_header_that_does_not_add_up_is_refused():
     layout = make_layout()
     header = pack_header(layout)
-    assert unpack_header("x", header) == layout
+    assert unpack_header("x", header) == (layout, PLACEMENT_SEGMENT)
     bad_dtype = header[:56] + (99).to_bytes(8, "little") + header[64:]
     with pytest.raises(SegmentFormatError, match="'x': unknown dtype code 99"):
         unpack_header("x", bad_dtype)

@@ -21,6 +21,7 @@ from workers.transfer.copy_in import (
     plan_copy,
 )
 from workers.transfer.costs import Link
+from workers.transfer.peer_disk import split_tiers
 
 
 def span(worker_id: str, reach: int, base: int = 100) -> HolderSpan:
@@ -78,6 +79,51 @@ def test_a_holder_busy_deeper_in_the_prompt_takes_less_of_the_shared_range():
 def test_unknown_holders_are_skipped_and_the_plan_starts_at_first():
     spans = [span("stranger", 10, base=300), span("a", 6)]
     assert plan_copy(spans, 2, 9, {"a": FAST}, 1024) == (task("a", 2, 6),)
+
+
+def test_a_peers_disk_pages_are_a_holder_of_their_own_after_its_host_pages():
+    """Host pages 0-2 of w, disk pages 3-5: w gives the host ones, "w/disk" the rest (even
+    where a faster link would want more), and a second holder with host pages takes its
+    share of the disk range by rate."""
+    held = split_tiers(
+        [HolderSpan("w", "host", (10, 11, 12, 90, 91, 92), (7,) * 6, b"\1" * 3 + b"\2" * 3)]
+    )
+    assert held.owners == {"w": "w", "w/disk": "w"} and held.disk == {"w/disk"}
+    assert held.starts == {"w/disk": 3}
+    host, disk = held.spans
+    assert host == HolderSpan("w", "host", (10, 11, 12), (7,) * 3, b"\1" * 3)
+    assert disk == HolderSpan("w/disk", "disk", (0, 0, 0, 90, 91, 92), (0, 0, 0, 7, 7, 7))
+    links = {"w": SLOW, "w/disk": FAST}
+    assert plan_copy(held.spans, 0, 6, links, 1024, held.starts) == (
+        CopyTask("w", (10, 11, 12), (7,) * 3, 0, 3),
+        CopyTask("w/disk", (90, 91, 92), (7,) * 3, 3, 6),
+    )
+    other = span("o", 6, base=200)
+    plan = plan_copy([*held.spans, other], 1, 6, {**links, "o": SLOW}, 1024, held.starts)
+    assert [(t.holder, t.first, t.end) for t in plan] == [
+        ("o", 1, 2), ("w", 2, 3), ("w/disk", 3, 6)
+    ]  # fmt: skip
+    # Only on disk from page 0; another tier ends the span.
+    only = split_tiers(
+        [HolderSpan("d", "disk", (90, 91), (7, 7)), HolderSpan("x", "device", (1,), (7,))]
+    )
+    assert [(s.worker_id, len(s.page_ids)) for s in only.spans] == [
+        ("d", 0),
+        ("d/disk", 2),
+        ("x", 0),
+    ]
+
+
+def test_a_holder_that_starts_late_leaves_no_gap_in_the_plan():
+    starts = {"late": 4}
+    spans = [span("early", 2), span("late", 8, base=200)]
+    # Nobody gives pages 2 and 3: the plan ends at 2.
+    assert plan_copy(spans, 0, 8, {"early": FAST, "late": FAST}, 1024, starts) == (
+        task("early", 0, 2),
+    )
+    assert plan_copy(spans, 4, 8, {"early": FAST, "late": FAST}, 1024, starts) == (
+        task("late", 4, 8, base=200),
+    )
 
 
 def test_nothing_to_copy():

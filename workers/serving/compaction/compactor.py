@@ -42,9 +42,17 @@ class CompactionResult(NamedTuple):
 class Compactor:
     """Compacts sequences whose KV lives in `store` (see the module docstring).
 
+    Compaction runs on the CPU only: its scores are accumulated there and its packing reads
+    survivors out page by page. A disabled one (`policy="none"`, what a worker builds when
+    compaction is off) is accepted over any store, since it never touches a page.
+
     Args:
         store: the page store the sequences' pages are in.
         config: the policy and budget (`policy="none"`: `enabled` is False).
+
+    Raises:
+        ValueError: an enabled policy over a store whose pages are off the CPU (the device
+            named), or a per-layer budget of the wrong length.
     """
 
     def __init__(self, store: SharedPageStore, config: CompactionConfig | None = None):
@@ -52,6 +60,12 @@ class Compactor:
         self.config = config or CompactionConfig()
         self.policy: CompactionPolicy | None = None
         if self.config.policy != "none":
+            device = store.page_range(0, store.num_pages).device
+            if device.type != "cpu":
+                raise ValueError(
+                    f"compaction policy {self.config.policy!r} needs a page store on the CPU; "
+                    f"store {store.name!r} keeps its pages on {device}"
+                )
             self.policy = make_compaction_policy(self.config.policy, **dict(self.config.params))
         self.budget = Budget.parse(self.config.budget)
         layout = store.layout

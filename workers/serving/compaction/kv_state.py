@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from workers.serving.batch_runner import gather_pages
 from workers.serving.compaction.policies import SCORES, Candidates
+from workers.serving.paged_attention import gather_pages
 
 __all__ = ["SCORES", "KvState", "Reads", "Segment"]
 # Bytes of float32 scores one block of queries may hold (queries x keys x heads).
