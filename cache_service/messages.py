@@ -45,6 +45,9 @@ COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25,
 # A load back from a lower tier: tens of microseconds for a page in the OS page cache, a
 # second or more for a long prefix read from a slow disk.
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0, 2.5)
+# How far a routed request's first token came from the router's estimate (either way):
+# tens of ms when the estimate holds, seconds when a queue or a copy was misjudged.
+ROUTE_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Observed(NamedTuple):
@@ -132,7 +135,21 @@ class WorkerReport(NamedTuple):
     # pages are all in host memory. The page counts and evictions above are its page
     # store's: device memory when it reports a device tier, else host memory.
     tiers: Sequence[TierFigures] = ()
+    # What its running and queued sequences still have to decode, for routing (0: unknown,
+    # as from a worker before these fields): the most decode steps any of them has left
+    # (their remaining `max_new_tokens`), the measured time of a decode pass, and how
+    # many tokens one forward pass takes at most, and one prompt's chunk (0: no chunking).
+    decode_steps: int = 0
+    step_ns: int = 0
+    pass_tokens: int = 0
+    chunk_tokens: int = 0
+    # |observed - estimated| time to first token of its requests that came with the
+    # router's estimate (ROUTE_ERROR_BUCKETS; None: as no observations).
+    route_error: Observed | None = None
 
+
+# The report's optional fields after the tiers, each sent only with those before it.
+DECODE_FIELDS = ("decode_steps", "step_ns", "pass_tokens", "chunk_tokens")
 
 # The report's load fields: what routing weighs (`cache_service.routing`).
 LOAD_FIELDS = (

@@ -42,6 +42,7 @@ from cache_service import dashboard_data
 from cache_service.messages import (
     COPY_BUCKETS,
     LOAD_BUCKETS,
+    ROUTE_ERROR_BUCKETS,
     TIERS,
     TTFT_BUCKETS,
     Observed,
@@ -149,6 +150,8 @@ class MetricsSnapshot(NamedTuple):
     # them (`WorkerReports.tiers`).
     load_seconds: Mapping[str, HistogramCounts] = {}
     tiers: Mapping[str, Mapping[str, Any]] = {}
+    # How far routed requests' first tokens came from the router's estimate.
+    route_error: HistogramCounts | None = None
 
 
 def snapshot_from(
@@ -212,6 +215,9 @@ def snapshot_from(
             if any(t.tier == name for t in tiers)
         },
         tiers=reports.tiers(),
+        route_error=_summed(
+            ROUTE_ERROR_BUCKETS, [r.route_error for r in reported if r.route_error is not None]
+        ),
     )
 
 
@@ -273,6 +279,13 @@ class SnapshotCollector(Collector):
             "Time a request spends copying pages in from peers (requests that copied).",
             snap.copy_seconds,
         )
+        if snap.route_error is not None:
+            yield _histogram(
+                "kvmesh_route_ttft_error_seconds",
+                "How far a routed request's time to first token was from the router's "
+                "estimate, either way (requests the kvmesh policy routed).",
+                snap.route_error,
+            )
         ttft = HistogramMetricFamily(
             "kvmesh_ttft_seconds",
             "Time to first token; cache=hit when the request reused cached tokens.",

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from cache_service.messages import TIERS, TierFigures, WorkerReport
+from cache_service.messages import ROUTE_ERROR_BUCKETS, TIERS, TierFigures, WorkerReport
 from cache_service.routing import WorkerLoad
 
 SOURCES = ("local_hit", "remote_hit", "computed")
@@ -117,9 +117,13 @@ class WorkerReports:
             }
             disk = [t.read_ns_per_token for t in report.tiers if t.tier == "disk"]
             measured["disk_s"] = disk[0] if disk else 0
+            measured["step_s"] = report.step_ns
             out[worker_id] = WorkerLoad(
                 queued_tokens=report.queued_tokens,
                 running=report.running,
+                decode_steps=report.decode_steps,
+                pass_tokens=report.pass_tokens,
+                chunk_tokens=report.chunk_tokens,
                 **{name: ns * 1e-9 for name, ns in measured.items() if ns > 0},
             )
         return out
@@ -186,6 +190,33 @@ class WorkerReports:
             for tier, figures in tier_totals(self.items()).items()
         }
 
+    def route_error(self) -> dict[str, Any]:
+        """How far the routed requests' first tokens came from the router's estimate, over
+        every worker's report: how many, the mean, and the bucket bound that half and nine
+        in ten of them were within (None: past the largest bound)."""
+        counts = [0] * (len(ROUTE_ERROR_BUCKETS) + 1)
+        total = 0.0
+        for _worker, report, _live in self.items():
+            if report.route_error is not None:
+                counts = [a + b for a, b in zip(counts, report.route_error.counts, strict=True)]
+                total += report.route_error.total
+        requests = sum(counts)
+
+        def within(share: float) -> float | None:
+            seen = 0
+            for bound, count in zip((*ROUTE_ERROR_BUCKETS, None), counts, strict=True):
+                seen += count
+                if seen >= share * requests:
+                    return bound
+            return None
+
+        return {
+            "requests": requests,
+            "mean_s": total / requests if requests else 0.0,
+            "p50_within_s": within(0.5) if requests else 0.0,
+            "p90_within_s": within(0.9) if requests else 0.0,
+        }
+
     def stats(self) -> dict[str, Any]:
         tokens = self.prompt_tokens()
         served = sum(tokens.values())
@@ -194,6 +225,7 @@ class WorkerReports:
             "prompt_tokens_total": served,  # the denominator of every hit rate here
             "hit_rate": (tokens["local_hit"] + tokens["remote_hit"]) / served if served else 0.0,
             "tiers": self.tiers(),
+            "route_ttft_error": self.route_error(),
             "reporting_workers": len(self._live),
             "departed_workers": len(self._departed),
         }

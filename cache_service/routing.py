@@ -19,8 +19,7 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
     est(w) = prefill_s * (load_weight * queue(w) + compute(w))   its queue, then its prefill
            + copy_s(w) * copied(w)                   what it copies in from holders
            + disk_s * read(w)                        what it, or a holder, reads from disk
-           + prefill_s * running(w)                  a token's worth for each sequence
-                                                     its prefill shares a pass with
+           + decode(w)                               the decodes its passes carry meanwhile
 
     own(w)     = max(held(w), pending(w))   prompt tokens w holds as a prefix, or is
                                             computing right now for a request in flight
@@ -29,6 +28,15 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
     compute(w) = prompt_tokens - reach(w)
     queue(w)   = prompt tokens w has yet to compute for the requests it queued or runs
     read(w)    = the tokens of own(w) and copied(w) on disk, not in host memory
+    decode(w)  = step_s(w) * min(decode_steps(w), passes(w))
+    passes(w)  = the forward passes until the prompt's first token: its queue and its
+                 compute at pass_tokens(w) a pass, its compute at chunk_tokens(w) a pass
+
+Continuous batching runs the decodes of w's sequences in every pass beside the prefills,
+so the prompt waits for a decode step in each of its passes while any of them still
+decodes: `decode_steps` is the most steps one of them has left (its remaining
+`max_new_tokens`), `step_s` the worker's measured time of a pass of decodes. A worker
+that has not measured one yet counts a prompt token's time for each running sequence.
 
 A holder's pages are in host memory up to its `held_host`, on its disk past it (a worker
 demotes the leaves of its prefixes first, so a prefix's disk pages follow its host
@@ -79,6 +87,24 @@ class WorkerLoad(NamedTuple):
     copy_s_same_node: float = DEFAULT_COPY_S_SAME_NODE  # seconds to copy one token's KV
     copy_s_remote: float = DEFAULT_COPY_S_REMOTE
     disk_s: float = 0.0  # seconds to read one token's KV from its disk (0: no disk, or unmeasured)
+    decode_steps: int = 0  # the most decode steps one of its sequences has left
+    step_s: float = 0.0  # seconds of one pass of decodes (0: not measured yet)
+    pass_tokens: int = 0  # tokens one forward pass takes at most (0: unknown, no limit)
+    chunk_tokens: int = 0  # a prompt's tokens per pass at most (0: no chunking)
+
+    def passes(self, tokens: float, compute: int) -> int:
+        """Forward passes until a prompt computing `compute` tokens behind `tokens` of
+        queue and its own compute has its first token."""
+        passes = math.ceil(tokens / self.pass_tokens) if self.pass_tokens else 1
+        if self.chunk_tokens:
+            passes = max(passes, math.ceil(compute / self.chunk_tokens))
+        return max(1, passes)
+
+    def decode_s(self, tokens: float, compute: int, prefill_s: float) -> float:
+        """What the decodes of its sequences add to those passes."""
+        if not self.step_s:
+            return prefill_s * self.running
+        return self.step_s * min(self.decode_steps, self.passes(tokens, compute))
 
 
 class Candidate(NamedTuple):
@@ -190,7 +216,10 @@ class EstimatedTtft:
             queue = inputs.load_weight * c.queue
             read = held - min(held, held_host.get(c.worker_id, held))  # its own, on disk
             read += max(0, reach - max(own, best_host))  # the holder's, past its host pages
-            seconds = prefill_s * (queue + prompt_tokens - reach + c.load.running)
+            compute = prompt_tokens - reach
+            seconds = prefill_s * (queue + compute) + c.load.decode_s(
+                queue + compute, compute, prefill_s
+            )
             return seconds + copy_s * (reach - own) + disk_s * read, held, own
 
         figures = {c.worker_id: estimate(c) for c in candidates}

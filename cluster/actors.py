@@ -35,6 +35,7 @@ def worker_settings(cfg: KvmeshConfig, keys: MeshKeys, worker_id: str) -> Worker
         dtype=cfg.model.dtype,
         copy_policy=cfg.workers.copy_policy,
         spot_check_rate=float(cfg.workers.spot_check_rate),
+        share=cfg.workers.share,
         scheduler=cfg.workers.scheduler(),
         compaction=cfg.compaction,
         num_pages=cfg.store.num_pages,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "time to first token with the real model: cold, local, remote, several holders",
     "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
     "batch": "a worker's batches with same-batch prefix sharing, without it, and one by one",
-    "serve": "routing under concurrent load: kvmesh's against round-robin and prefix affinity",
+    "serve": "routing under load: kvmesh's against the baselines, with and without the mesh",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
     "compaction": "quality against memory freed for StreamingLLM, H2O and SnapKV on real prose",
     "tiers": "the disk tier: TTFT from shared memory, from disk and cold; a restarted worker",
@@ -36,7 +37,17 @@ def _print_table(figures: dict) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    figures = _bench_runner(args.name)()
+    runner = _bench_runner(args.name)
+    options = {}
+    if args.repeats is not None:
+        if "repeats" not in inspect.signature(runner).parameters:
+            print(f"kvmesh bench {args.name} takes no --repeats", file=sys.stderr)
+            return 2
+        if args.repeats < 1:
+            print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+            return 2
+        options["repeats"] = args.repeats
+    figures = runner(**options)
     if not args.json:
         print(f"kvmesh bench {args.name}: {BENCHMARKS[args.name]}")
         _print_table(figures)
@@ -150,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark; the last line is one JSON object")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print only the JSON line")
+    bench.add_argument(
+        "--repeats", type=int, help="how often to repeat the whole set (benchmarks that do: serve)"
+    )
     bench.set_defaults(func=cmd_bench)
     demo = commands.add_parser(
         "demo", help="the main job: a shared-prefix workload on an embedded mesh, with tables"

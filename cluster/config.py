@@ -164,6 +164,10 @@ class WorkersConfig:
     prefill_chunk_tokens: int = 0
     batch_sharing: bool = True
     copy_threads: int = 2
+    # Whether workers share their caches through the mesh: False, each has only its own
+    # (no lookup at the service, no copy from a peer; what a team has without kvmesh, for
+    # comparisons); they still publish, so routing still knows what each holds.
+    share: bool = True
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -189,6 +193,8 @@ class WorkersConfig:
             raise ConfigError(
                 f"workers.spot_check_rate must be a number in [0, 1], got {self.spot_check_rate!r}"
             )
+        if type(self.share) is not bool:
+            raise ConfigError(f"workers.share must be true or false, got {self.share!r}")
         if type(self.max_restarts) is not int or self.max_restarts < -1:
             raise ConfigError(
                 f"workers.max_restarts must be an int >= 0 (or -1: always), got "

@@ -31,11 +31,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
-from cache_service.routing import RouteInputs, candidates_of, make_policy
+from cache_service.routing import EstimatedTtft, RouteInputs, candidates_of, make_policy
 from cluster.errors import DeadlineExceeded, MeshError, RequestEnded
 from cluster.inflight import InFlight
 from cluster.requests import FrontRequest
@@ -70,9 +70,10 @@ class Deadline:
             raise DeadlineExceeded(self.timeout_s, "queued", {"queued": self.timeout_s - left})
         return left
 
-    def body(self, request: FrontRequest) -> GenerateRequest:
-        """What a worker gets: the request, with what is left of its deadline."""
-        return dataclasses.replace(request.body, timeout_s=self.left())
+    def body(self, request: FrontRequest, estimate_s: float = 0.0) -> GenerateRequest:
+        """What a worker gets: the request, with what is left of its deadline and the
+        router's estimate of its time to first token (0: none)."""
+        return dataclasses.replace(request.body, timeout_s=self.left(), route_estimate_s=estimate_s)
 
     def wait_s(self) -> float:
         """How long to wait for a worker's next answer."""
@@ -82,6 +83,23 @@ class Deadline:
         error = DeadlineExceeded(self.timeout_s, "unanswered", {})
         error.args = (f"{error.args[0]} (worker {worker!r} did not answer in time)",)
         return error
+
+
+class Placement(NamedTuple):
+    """Where a request runs, and the router's estimate of its time to first token there
+    (0: none; only kvmesh's own policy estimates one)."""
+
+    worker: str
+    estimate_s: float = 0.0
+
+
+class Route(NamedTuple):
+    """The routing policy's choice: the worker, the prompt tokens it is expected to
+    compute, and its estimate of the time to first token (0: none)."""
+
+    worker: str
+    computes: int
+    estimate_s: float = 0.0
 
 
 class Attempt:
@@ -114,24 +132,22 @@ class Dispatcher:
     # -- the two steps -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def placed(self, request: FrontRequest, worker: str | None = None) -> Iterator[str]:
+    def placed(self, request: FrontRequest, worker: str | None = None) -> Iterator[Placement]:
         """Route a request (to `worker` when one is named) and count it in flight there
-        while the block runs, for the routing of the requests after it; yields the
-        worker.
+        while the block runs, for the routing of the requests after it; yields where it
+        runs.
 
         Raises:
             MeshError: every worker is dead, or the named one is.
         """
-        if worker is None:
-            chosen, computes = self.route(request)
-        else:
-            chosen, computes = worker, len(request.tokens)
+        route = self.route(request) if worker is None else Route(worker, len(request.tokens))
+        chosen = route.worker
         if self.roster.is_dead(chosen):
             raise MeshError(f"worker {chosen!r} is dead")
-        handle = self.inflight.add(chosen, request.namespace, request.tokens, computes)
+        handle = self.inflight.add(chosen, request.namespace, request.tokens, route.computes)
         try:
             with self.roster.running(chosen):
-                yield chosen
+                yield Placement(chosen, route.estimate_s)
         finally:
             self.inflight.remove(handle)
 
@@ -155,9 +171,10 @@ class Dispatcher:
             if pinned or attempt.started:
                 raise MeshError(f"worker {worker!r} stopped serving: {why}") from None
 
-    def route(self, request: FrontRequest) -> tuple[str, int]:
-        """The live worker the routing policy chooses, and the prompt tokens it is
-        expected to compute.
+    def route(self, request: FrontRequest) -> Route:
+        """The live worker the routing policy chooses, the prompt tokens it is expected
+        to compute, and the policy's estimate of the time to first token (kvmesh's own,
+        run by the service; 0 otherwise).
 
         Raises:
             MeshError: every worker is dead.
@@ -172,19 +189,23 @@ class Dispatcher:
         namespace, tokens = request.namespace, request.tokens
         loads = self.inflight.loads(live)
         pending = self.inflight.pending(namespace, tokens)
+        estimates = self.policy == EstimatedTtft.name
         try:
             decision = self.client.route(namespace, tokens, loads, pending, self.policy)
         except ServiceUnavailable:
+            estimates = False
             # Without the index: what this front door knows of its own requests.
             nodes = dict.fromkeys(live, "")
             inputs = RouteInputs(candidates_of(loads, nodes), len(tokens), pending=pending)
             decision = self._fallback.choose(inputs)
         if decision.worker_id not in loads:  # the service knows none of the live ones yet
+            estimates = False
             decision = make_policy("least-loaded").choose(
                 RouteInputs(candidates_of(loads, dict.fromkeys(live, "")), len(tokens))
             )
         held = max(decision.matched_tokens, int(pending.get(decision.worker_id, 0)))
-        return decision.worker_id, max(1, len(tokens) - held)
+        estimate_s = float(decision.score) if estimates else 0.0
+        return Route(decision.worker_id, max(1, len(tokens) - held), max(0.0, estimate_s))
 
     # -- requests ----------------------------------------------------------------------
 
@@ -203,12 +224,14 @@ class Dispatcher:
         while pending:
             with contextlib.ExitStack() as running:
                 by_worker: dict[str, list[int]] = {}
+                estimates: dict[int, float] = {}
                 for i, request in pending.items():
-                    chosen = running.enter_context(self.placed(request, worker))
-                    by_worker.setdefault(chosen, []).append(i)
+                    placement = running.enter_context(self.placed(request, worker))
+                    by_worker.setdefault(placement.worker, []).append(i)
+                    estimates[i] = placement.estimate_s
                 calls = {
                     chosen: self.handle(chosen).generate_batch.remote(
-                        [deadline.body(pending[i]) for i in indexes]
+                        [deadline.body(pending[i], estimates[i]) for i in indexes]
                     )
                     for chosen, indexes in by_worker.items()
                 }
@@ -254,11 +277,11 @@ class Dispatcher:
         deadline = Deadline(request.body.timeout_s)
         while True:
             with (
-                self.placed(request, worker) as chosen,
+                self.placed(request, worker) as (chosen, estimate_s),
                 self.failover(chosen, pinned=worker is not None) as attempt,
             ):
                 call = self.handle(chosen).stream.options(num_returns="streaming")
-                items = call.remote(deadline.body(request))
+                items = call.remote(deadline.body(request, estimate_s))
                 try:
                     while True:
                         ready, _ = ray.wait([items], timeout=deadline.wait_s())

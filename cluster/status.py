@@ -12,6 +12,9 @@ reads (`mesh.stats()` returns it, `kvmesh status --json` prints it):
                          "capacity", "bytes_written", "bytes_read", "demotions",
                          "evictions", "workers", "accepting", ...} from the service (top
                          down; {} from a service before tiers),
+     "route_ttft_error": {"requests", "mean_s", "p50_within_s", "p90_within_s"}: how
+                         far routed requests' first tokens came from the kvmesh policy's
+                         estimate (the bucket bounds of `kvmesh_route_ttft_error_seconds`),
      "nodes":           {node id: {"address", "workers": [worker ids]}},
      "workers":         {worker id: the worker's own figures + "alive", "pages", "hit_rate"},
      "engines":         {worker id: "live", "node", "address", "queries",
@@ -110,6 +113,7 @@ def summarize(
         "prompt_tokens": served,
         "pages": pages,
         "tiers": dict(service.get("served", {}).get("tiers", {})),
+        "route_ttft_error": dict(service.get("served", {}).get("route_ttft_error", {})),
         "nodes": by_node,
         "workers": rows,
         "engines": engines,

@@ -109,6 +109,9 @@ class WorkerSettings:
     # Of copies from holders checked before, the share whose sample page is recomputed and
     # compared (`workers.transfer.spot_check`); a holder's first copy is always checked.
     spot_check_rate: float = SPOT_CHECK_RATE
+    # False: it never looks a prompt up at the service nor copies from a peer (its own
+    # tiers only: a worker without the mesh, for comparisons).
+    share: bool = True
     # How the worker batches the requests it serves at once.
     scheduler: SchedulerConfig = SchedulerConfig()
     # Compaction of running sequences under memory pressure (off by default).
@@ -136,6 +139,8 @@ class GenerateRequest:
         timeout_s: its deadline, in seconds from its arrival at the worker (the front door
             sends what is left of the caller's); past it, it ends with DeadlineExceeded.
         request_id: the caller's name for it, by which `cancel` ends it ("": none).
+        route_estimate_s: the router's estimate of its time to first token (0: none);
+            the worker reports how far its first token came from it.
     """
 
     tokens: tuple[int, ...]
@@ -149,9 +154,15 @@ class GenerateRequest:
     return_logits: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     request_id: str = ""
+    route_estimate_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s)
+        estimate = self.route_estimate_s
+        if isinstance(estimate, bool) or not isinstance(estimate, int | float):
+            raise ValueError(f"route_estimate_s must be a number, got {estimate!r}")
+        if not 0 <= estimate < float("inf"):
+            raise ValueError(f"route_estimate_s must be finite and >= 0, got {estimate!r}")
         for name in ("reuse", "ignore_eos", "return_logits"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -152,6 +152,7 @@ class Worker:
             self.batch_runner = BatchRunner(model, self.store)
             self.vocab_size = model.config.vocab_size
             self.profile = self._prefill_profile()
+            self.step_s = 0.0  # a decode pass's time, averaged (0: none ran yet)
             # Requests queue in the scheduler; one serving thread runs the model on batches.
             self.scheduler = Scheduler(
                 self.cache,
@@ -295,6 +296,7 @@ class Worker:
             request.return_logits,
             request.timeout_s,
             request_id=request.request_id,
+            route_estimate_s=request.route_estimate_s,
         )
 
     def _run(self, sequences: list[Seq]) -> list[GenerateOutput]:
@@ -371,7 +373,10 @@ class Worker:
         if local >= len(tokens) - 1:
             return local
         try:
-            matched, spans = self.member.match(seq.namespace, tokens)
+            if self.settings.share:
+                matched, spans = self.member.match(seq.namespace, tokens)
+            else:  # without the mesh: its own tiers only
+                matched, spans = local, []
             # Its own disk tier may hold more than the mesh's match: every full page but
             # the last token's is worth planning; the plan stops where holders stop.
             reach = len(tokens) if self.member.disk is not None else matched
@@ -417,22 +422,29 @@ class Worker:
         if seq.first_token_at is not None and seq.error is None:
             local, remote = seq.hits
             reused = local + remote > 0
-            self.member.figures.first_token(seq.first_token_at - seq.arrived, reused=reused)
+            ttft = seq.first_token_at - seq.arrived
+            self.member.figures.first_token(ttft, reused=reused)
+            if seq.route_estimate_s:
+                self.member.figures.routed(ttft, seq.route_estimate_s)
 
     def _pass_done(self, step: Step, seconds: float) -> None:
         """A forward pass ran: charge its time to the prefills in it; a lone prefill
-        refines the prefill curve the copy decisions use."""
+        refines the prefill curve the copy decisions use, a pass of decodes alone the
+        decode pass time routing weighs (a moving average: it follows the batch's size)."""
         prefills = [(seq, chunk) for seq, chunk in step.pairs() if seq.phase is Phase.PREFILL]
         for seq, _ in prefills:
             seq.prefill_s += seconds
         if len(step.chunks) == 1 and prefills:
             ((_, chunk),) = prefills
             self.profile.observe(len(chunk.tokens), chunk.start, seconds)
+        elif step.chunks and not prefills:
+            self.step_s = seconds if not self.step_s else 0.8 * self.step_s + 0.2 * seconds
 
     def _load_figures(self) -> dict[str, int]:
         """The load and measured costs the heartbeat carries (for routing): nanoseconds
-        to compute a prompt token (this machine's prefill curve, 512 tokens after 512)
-        and to copy one token's KV (the links' probes); and its health (for the metrics)."""
+        to compute a prompt token (this machine's prefill curve, 512 tokens after 512),
+        to copy one token's KV (the links' probes) and to run a pass of decodes, with the
+        most tokens a pass and a prompt's chunk take; and its health (for the metrics)."""
         token_bytes = self.store.layout.page_bytes / self.cache.page_tokens
         prefill_s = self.profile.seconds(512, 512) / 512
         probe = self.member.links.probe
@@ -441,6 +453,9 @@ class Worker:
             "prefill_ns": 1e9 * prefill_s,
             "copy_ns_same_node": 1e9 * token_bytes / probe[False].bytes_per_s,
             "copy_ns_remote": 1e9 * token_bytes / probe[True].bytes_per_s,
+            "step_ns": 1e9 * self.step_s,
+            "pass_tokens": self.settings.scheduler.max_batch_tokens,
+            "chunk_tokens": self.settings.scheduler.prefill_chunk_tokens,
         }
         figures = {name: max(1, round(value)) if value else 0 for name, value in figures.items()}
         health = self.serving.health()

@@ -5,10 +5,13 @@ ints, evictions as a map reason -> pages, tenants as [salt, requests, local_hit,
 remote_hit, computed] rows, each histogram as [counts, total] with exactly one count per
 bucket of its bounds (`messages.COPY_BUCKETS`, `messages.TTFT_BUCKETS`) plus +Inf.
 
-Its last field, the tiers, is optional: a report without tiers is sent without it, so it
-reads as a report of a worker from before tiers, and such a report decodes with tiers ().
-Each tier is a row of the TierFigures fields in order (maps as maps, its load histogram on
-`messages.LOAD_BUCKETS`), named by one of `messages.TIERS`, top down, each at most once.
+The fields from the tiers on are optional, each sent only with those before it: a report
+ends at its last field that is not empty (no tiers, zero decode figures, no routing
+error observed), so a report without them reads as a report of a worker from before
+them, and decodes with their defaults. The decode figures are counts; the routing error
+is a histogram on `messages.ROUTE_ERROR_BUCKETS`. Each tier is a row of the TierFigures
+fields in order (maps as maps, its load histogram on `messages.LOAD_BUCKETS`), named by
+one of `messages.TIERS`, top down, each at most once.
 
 Bounded beyond the frame limits: a report names at most MAX_REPORT_TENANTS salts,
 MAX_REPORT_REASONS eviction reasons, len(TIERS) tiers and MAX_REPORT_REASONS reasons in each
@@ -24,9 +27,11 @@ from typing import Any
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    DECODE_FIELDS,
     HEALTH_FIELDS,
     LOAD_BUCKETS,
     LOAD_FIELDS,
+    ROUTE_ERROR_BUCKETS,
     TIERS,
     TTFT_BUCKETS,
     Observed,
@@ -51,7 +56,8 @@ _SCALARS = (
     *HEALTH_FIELDS,
 )
 _HISTOGRAMS = {"copy_seconds": COPY_BUCKETS, "ttft_hit": TTFT_BUCKETS, "ttft_miss": TTFT_BUCKETS}
-_FIELDS = len(WorkerReport._fields)  # with the tiers; one fewer without
+_FIELDS = len(WorkerReport._fields)  # with every optional field
+_REQUIRED = WorkerReport._fields.index("tiers")  # the fields before the optional ones
 _TIER_SCALARS = (
     "pages",
     "capacity",
@@ -66,8 +72,8 @@ _TIER_SCALARS = (
 
 def check_report(value: Any, path: str, limits: Limits) -> WorkerReport:
     """A decoded report, every count checked; raises ProtocolError naming the field."""
-    if type(value) is not list or len(value) not in (_FIELDS - 1, _FIELDS):
-        raise bad(path, f"a report of {_FIELDS - 1} fields, or {_FIELDS} with tiers", value)
+    if type(value) is not list or not _REQUIRED <= len(value) <= _FIELDS:
+        raise bad(path, f"a report of {_REQUIRED} to {_FIELDS} fields", value)
     raw = dict(zip(WorkerReport._fields, value, strict=False))
     out: dict[str, Any] = {}
     for name in _SCALARS:
@@ -78,6 +84,13 @@ def check_report(value: Any, path: str, limits: Limits) -> WorkerReport:
         out[name] = _check_observed(raw[name], f"{path}.{name}", limits, bounds)
     if "tiers" in raw:
         out["tiers"] = _check_tiers(raw["tiers"], f"{path}.tiers", limits)
+    for name in DECODE_FIELDS:
+        if name in raw:
+            out[name] = check_count(raw[name], f"{path}.{name}", limits)
+    if "route_error" in raw:
+        out["route_error"] = _check_observed(
+            raw["route_error"], f"{path}.route_error", limits, ROUTE_ERROR_BUCKETS
+        )
     return WorkerReport(**out)
 
 
@@ -94,10 +107,14 @@ def report_wire(value: Any) -> Any:
         elif name in _HISTOGRAMS:
             wire.append(_observed_wire(item))
         elif name == "tiers":
-            if item:  # none: the report as before tiers
-                wire.append([_tier_wire(tier) for tier in item])
+            wire.append([_tier_wire(tier) for tier in item])
+        elif name == "route_error":
+            wire.append(None if item is None else _observed_wire(item))
         else:
             wire.append(item)
+    # The optional fields go only as far as the last one that is not empty.
+    while len(wire) > _REQUIRED and wire[-1] in ([], 0, None):
+        wire.pop()
     return wire
 
 

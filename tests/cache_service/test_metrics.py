@@ -111,6 +111,41 @@ def test_the_collector_reports_the_latest_snapshot_only():
     assert got[("kvmesh_lookup_seconds_sum", ())] == pytest.approx(0.0125)
 
 
+def test_the_routing_estimates_error_is_a_histogram_summed_over_workers():
+    from cache_service.messages import EMPTY_REPORT, ROUTE_ERROR_BUCKETS, Observed
+    from cache_service.metrics import snapshot_from
+    from cache_service.reports import WorkerReports
+
+    reports = WorkerReports()
+    twelve = len(ROUTE_ERROR_BUCKETS) + 1
+    reports.update("a", EMPTY_REPORT._replace(route_error=Observed((3, *[0] * (twelve - 1)), 0.02)))
+    reports.update("b", EMPTY_REPORT._replace(route_error=Observed((*[0] * 6, 1, *[0] * 5), 0.8)))
+    reports.update("c", EMPTY_REPORT)  # routed nothing with an estimate
+    assert reports.stats()["route_ttft_error"] == {
+        "requests": 4,
+        "mean_s": pytest.approx(0.82 / 4),
+        "p50_within_s": 0.01,
+        "p90_within_s": 1.0,
+    }
+    stats = {
+        "workers_live": 3,
+        "events": {"resyncs": 0},
+        "workers": {},
+        "tenants": {},
+        "pages": 0,
+    }
+    snap = snapshot_from(stats, 1, Histogram((0.001,)), reports, str, 1000.0)
+    collector = SnapshotCollector()
+    collector.publish(snap)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    got = samples(generate_latest(registry).decode())
+    assert got[("kvmesh_route_ttft_error_seconds_bucket", (("le", "0.01"),))] == 3
+    assert got[("kvmesh_route_ttft_error_seconds_bucket", (("le", "1.0"),))] == 4
+    assert got[("kvmesh_route_ttft_error_seconds_count", ())] == 4
+    assert got[("kvmesh_route_ttft_error_seconds_sum", ())] == pytest.approx(0.82)
+
+
 def test_beyond_loopback_a_token_is_required():
     registry = CollectorRegistry()
     with pytest.raises(ValueError, match="access token"):

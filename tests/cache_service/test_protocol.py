@@ -628,11 +628,15 @@ def reports(draw):
         ttft_miss=draw(observed(message_types.TTFT_BUCKETS)),
         **{name: draw(counts) for name in LOAD_REPORT_FIELDS},
         tiers=tuple(draw(tier_figures(tier)) for tier in tiers),
+        **{name: draw(counts) for name in message_types.DECODE_FIELDS},
+        route_error=draw(st.none() | observed(message_types.ROUTE_ERROR_BUCKETS)),
     )
 
 
-# alignment, load, costs and health (the tiers are the last field)
-LOAD_REPORT_FIELDS = message_types.WorkerReport._fields[10:-1]
+# alignment, load, costs and health (the optional fields from the tiers on follow)
+LOAD_REPORT_FIELDS = message_types.WorkerReport._fields[
+    10 : message_types.WorkerReport._fields.index("tiers")
+]
 
 
 shm_names = st.just("") | st.builds(
@@ -1121,7 +1125,7 @@ BAD_REPORTS = [
 def test_a_report_without_tiers_travels_as_before_tiers_and_one_with_them_round_trips():
     field = protocol.table.MESSAGES["heartbeat"].request.fields["report"]
     before = field.wire(SAMPLE_REPORT)  # tiers (): the field is left off
-    assert len(before) == len(message_types.WorkerReport._fields) - 1
+    assert len(before) == message_types.WorkerReport._fields.index("tiers")
     assert field.check(before, "heartbeat.report", DEFAULT_LIMITS) == SAMPLE_REPORT
     with_tiers = SAMPLE_REPORT._replace(tiers=SAMPLE_TIERS)
     decoded = decode(encode(Message("heartbeat", 4, Heartbeat("w0", 3, 0.5, with_tiers))))
@@ -1136,6 +1140,44 @@ def test_a_report_without_tiers_travels_as_before_tiers_and_one_with_them_round_
         {"evicted": 2, "corrupt": 1},
         {"truncated": 1, "orphan": 2},
     )
+
+
+def test_a_reports_decode_figures_and_routing_error_are_optional_and_round_trip():
+    field = protocol.table.MESSAGES["heartbeat"].request.fields["report"]
+    fields = message_types.WorkerReport._fields
+    error = message_types.Observed((1, 0, 2, *[0] * 9), 0.06)
+    full = SAMPLE_REPORT._replace(
+        decode_steps=12, step_ns=40_000_000, pass_tokens=4096, route_error=error
+    )
+    wire = field.wire(full)
+    assert len(wire) == len(fields) and wire[fields.index("tiers")] == []
+    decoded = decode(encode(Message("heartbeat", 4, Heartbeat("w0", 3, 0.5, full))))
+    assert decoded.body.report == full
+    assert type(decoded.body.report.route_error) is message_types.Observed
+    # The fields go as far as the last one set; those left off decode as unknown.
+    partial = SAMPLE_REPORT._replace(decode_steps=3)
+    assert len(field.wire(partial)) == fields.index("decode_steps") + 1
+    assert field.check(field.wire(partial), "report", DEFAULT_LIMITS) == partial
+    assert partial.step_ns == 0 and partial.route_error is None
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("step_ns", -1, r"report\.step_ns"),
+        ("decode_steps", 1.5, r"report\.decode_steps"),
+        ("route_error", [[0] * 3, 0.0], r"report\.route_error\.counts: expected a list of 12"),
+        ("route_error", None, r"report\.route_error: expected \[counts, total\]"),
+    ],
+)
+def test_a_bad_decode_figure_or_routing_error_is_refused_naming_it(name, value, message):
+    field = protocol.table.MESSAGES["heartbeat"].request.fields["report"]
+    fields = message_types.WorkerReport._fields
+    full = SAMPLE_REPORT._replace(route_error=message_types.Observed((0,) * 12, 0.0))
+    wire = field.wire(full._replace(decode_steps=1, step_ns=1, pass_tokens=1, chunk_tokens=1))
+    wire[fields.index(name)] = value
+    with pytest.raises(ProtocolError, match=message):
+        field.check(wire, "report", DEFAULT_LIMITS)
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,45 @@ def test_running_sequences_slow_a_worker_down():
     assert route(both, {"a": 960}, nodes={"a": "n1"}).worker_id == "b"
 
 
+def test_decodes_ahead_cost_a_step_for_each_pass_the_prompt_shares_with_them():
+    # a holds 960 of the prompt but runs 4 sequences with 200 decode steps left, 50 ms a
+    # pass of decodes; b is idle and must copy the 960 tokens (9.6 ms) and compute 40.
+    busy = LOAD._replace(running=4, decode_steps=200, step_s=0.05, pass_tokens=4096)
+    both = [Candidate("a", "n1", 0, busy), Candidate("b", "n1", 0, LOAD)]
+    # a's prompt needs one pass (40 tokens), which carries one decode step: 80 + 50 ms.
+    assert route(both, {"a": 960}, nodes={"a": "n1"}) == RouteDecision(
+        "b", 0, pytest.approx(2e-3 * 40 + 1e-5 * 960), "copy"
+    )
+    # With a queue of 8,000 tokens ahead, the queue and the prompt take 3 passes (4,096
+    # tokens a pass), each with a decode step; but never more steps than are left.
+    queued = Candidate("a", "n1", 8000, busy)
+    decision = route([queued, Candidate("b", "n1", 9000, LOAD)], prompt=1000)
+    assert decision == RouteDecision("a", 0, pytest.approx(2e-3 * 9000 + 0.05 * 3), "least_loaded")
+    short = queued._replace(load=busy._replace(decode_steps=1))
+    assert route([short], prompt=1000).score == pytest.approx(2e-3 * 9000 + 0.05 * 1)
+    # A prompt chunked 256 tokens a pass takes 4 passes for its 1,000 tokens.
+    chunked = Candidate("a", "n1", 0, busy._replace(chunk_tokens=256))
+    assert route([chunked], prompt=1000).score == pytest.approx(2e-3 * 1000 + 0.05 * 4)
+
+
+def test_an_idle_holder_wins_and_equal_costs_split_by_queue_then_id():
+    idle = LOAD._replace(step_s=0.05, pass_tokens=4096)  # measured, nothing decoding
+    both = [Candidate("a", "n1", 0, idle), Candidate("b", "n1", 0, idle)]
+    assert route(both, {"a": 960}, nodes={"a": "n1"}) == RouteDecision(
+        "a", 960, pytest.approx(2e-3 * 40), "prefix"
+    )
+    # The same prompt on two equal, idle workers holding nothing: the smallest id; with
+    # one of them a few tokens behind (within the tie): the shorter queue.
+    assert route(both).worker_id == "a"
+    tied = [Candidate("a", "n1", 3, idle), Candidate("b", "n1", 0, idle)]
+    assert route(tied).worker_id == "b"
+
+
+def test_a_worker_that_measured_no_decode_pass_counts_a_token_per_running_sequence():
+    unmeasured = LOAD._replace(running=40, decode_steps=500)
+    assert route([Candidate("a", "n1", 0, unmeasured)]).score == pytest.approx(2e-3 * 1040)
+
+
 def test_the_costs_are_the_candidates_median_so_noise_does_not_decide():
     """Two workers of one kind measured their prefill 2 ms and 3 ms a token: the holder
     still wins (its situation, not the noise of its measurement, decides)."""
@@ -152,6 +191,11 @@ def test_reports_become_the_loads_routing_weighs():
     disk = TierFigures("disk", 9, 512, 0, 0, 0, {}, 0, Observed((), 0.0), 900, 1, 0, {})
     reports.update("b", EMPTY_REPORT._replace(tiers=(disk,)))
     assert reports.loads()["b"] == WorkerLoad(disk_s=pytest.approx(9e-7))
+    decoding = EMPTY_REPORT._replace(decode_steps=12, step_ns=40_000_000, pass_tokens=4096)
+    reports.update("b", decoding._replace(chunk_tokens=256))
+    assert reports.loads()["b"] == WorkerLoad(
+        decode_steps=12, step_s=pytest.approx(0.04), pass_tokens=4096, chunk_tokens=256
+    )
 
 
 # ---- the other policies and the registry -------------------------------------------------

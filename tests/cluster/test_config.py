@@ -39,6 +39,7 @@ def test_empty_mapping_gives_defaults():
         ({"cache": {"page_tokens": 0}}, "page_tokens must be positive, got 0"),
         ({"cache": {"eviction_policy": "fifo"}}, "known: deepest, lfu, lru"),
         ({"store": {"num_pages": -1}}, "store.num_pages must be positive, got -1"),
+        ({"workers": {"share": "no"}}, "workers.share must be bool, got 'no'"),
         ({"store": {"dtype": "float32"}}, "'store.dtype' .the page store takes model.dtype"),
         ({"model": {"num_layers": 30}}, "the model's shape comes from the model itself"),
         ({"model": {"name": "gpt-9"}}, "model.name: unknown model 'gpt-9'; known: smollm2-135m"),

@@ -201,9 +201,16 @@ def test_tenants_never_share_pages(mesh, prompt, roles):
 def test_routing_sends_a_prompt_to_its_holder(mesh, prompt, roles):
     mesh.generate(prompt, 1, tenant="f", worker=roles.alone)
     mesh.flush()  # routing reads the index
+    estimated = mesh.stats()["route_ttft_error"]["requests"]
     routed = mesh.generate(prompt + [13], 1, tenant="f")
     assert routed.stats["worker"] == roles.alone
     assert routed.stats["local_hit_tokens"] >= len(prompt) // 16 * 16
+    # The router's estimate went with it (a request sent to a named worker has none), and
+    # its worker reported how far its first token came from it.
+    mesh.flush()
+    error = mesh.stats()["route_ttft_error"]
+    assert error["requests"] == estimated + 1
+    assert 0 <= error["mean_s"] < 30, error
 
 
 def test_a_seed_gives_the_same_sample_on_every_path(mesh, prompt, roles):

@@ -34,6 +34,7 @@ def make_worker(
     model=None,
     disk: DiskSettings | None = None,
     secret: bytes = b"",
+    share: bool = True,
 ) -> Worker:
     """A worker in this process on `service` (the tiny model unless `model` is given),
     publishing only when told (`flush`). Copies whatever is cached by default: the tests
@@ -51,6 +52,7 @@ def make_worker(
         copy_policy=copy_policy,
         disk=disk,
         mesh_secret=secret,
+        share=share,
     )
     return Worker(settings, model=model if model is not None else tiny_llama(), tokenizer=None)
 

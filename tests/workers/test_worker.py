@@ -72,6 +72,33 @@ def test_prefix_served_locally_then_from_peers(trio):
     assert a.member.page_server.pages_sent > 0
 
 
+def test_a_worker_without_the_mesh_never_looks_up_nor_copies_but_keeps_its_own(service):
+    a = make_worker(service, "a", "n1")
+    alone = make_worker(service, "b", "n1", share=False)
+    try:
+        for worker in (a, alone):
+            worker.set_peers([a.info(), alone.info()])
+        prompt = PREFIX + [9, 9, 9, 9, 9]
+        a.generate(prompt, 6)
+        assert a.flush()  # the index knows a holds the prompt
+        cold = alone.generate(prompt, 6)
+        assert (cold.stats.local_hit_tokens, cold.stats.remote_hit_tokens) == (0, 0)
+        again = alone.generate(prompt, 6)
+        assert (again.stats.local_hit_tokens, again.stats.remote_hit_tokens) == (len(prompt) - 1, 0)
+        assert again.token_ids == cold.token_ids
+        assert alone.flush()  # it still publishes: routing knows what it holds
+        stats = alone.stats()
+        assert stats.copy_bytes == {"same_node": 0, "remote": 0}
+        assert stats.copy["decisions"] == {}
+        index = service.stats()
+        assert index["workers"]["b"]["queries"] == 0 and index["workers"]["b"]["pages"] > 0
+        assert index["workers"]["a"]["queries"] > 0
+    finally:
+        for worker in (a, alone):
+            worker.check_integrity()
+            worker.shutdown()
+
+
 def test_tenants_never_share(trio):
     a, b, _ = trio
     a.generate(PREFIX + [1], 4, salt="tenant-a")

@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 
 from cache_service.messages import (
     COPY_BUCKETS,
+    DECODE_FIELDS,
     HEALTH_FIELDS,
     HEALTHY,
     LOAD_BUCKETS,
     LOAD_FIELDS,
+    ROUTE_ERROR_BUCKETS,
     TIERS,
     TTFT_BUCKETS,
     TenantTokens,
@@ -51,6 +53,7 @@ class WorkerFigures:
         self.copy_bytes = {"same_node": 0, "remote": 0}
         self._copy_seconds = Histogram(COPY_BUCKETS)
         self._ttft = {"hit": Histogram(TTFT_BUCKETS), "miss": Histogram(TTFT_BUCKETS)}
+        self._route_error = Histogram(ROUTE_ERROR_BUCKETS)
 
     def admitted(self, salt: str, local_hit: int, remote_hit: int, computed: int) -> None:
         """One request's prompt tokens, by where their KV comes from."""
@@ -64,6 +67,12 @@ class WorkerFigures:
             row[1] += local_hit
             row[2] += remote_hit
             row[3] += computed
+
+    def routed(self, observed_s: float, estimated_s: float) -> None:
+        """A routed request's first token came `observed_s` after it arrived; the router
+        had estimated `estimated_s`."""
+        with self._lock:
+            self._route_error.observe(abs(observed_s - estimated_s))
 
     def copied(self, nbytes: int, remote: bool) -> None:
         """Page bytes moved in from a peer (refused pages too: they moved)."""
@@ -101,7 +110,7 @@ class WorkerFigures:
             for salt, row in self._tenants.items():
                 assert len(row) == 4 and min(row) >= 0, (salt, row)
             assert min(self.copy_bytes.values()) >= 0, self.copy_bytes
-            for histogram in (self._copy_seconds, *self._ttft.values()):
+            for histogram in (self._copy_seconds, *self._ttft.values(), self._route_error):
                 counts = histogram.counts()
                 assert min(counts.counts) >= 0 and counts.total >= 0, counts
 
@@ -113,12 +122,14 @@ class WorkerFigures:
     ) -> WorkerReport:
         """The report for the service, with the page counts of `cache_stats` (the prefix
         cache's `stats()`) and the worker's load and measured costs (`load`: the
-        report's running, waiting, queued_tokens and *_ns fields, absent: 0, unknown; and
-        its health fields, absent: healthy), and its `tiers` top down (each one's
-        `TierCounters.figures()`; none: a worker whose pages are all in host memory)."""
+        report's running, waiting, queued_tokens and *_ns fields and its decode figures,
+        absent: 0, unknown; and its health fields, absent: healthy), and its `tiers` top
+        down (each one's `TierCounters.figures()`; none: a worker whose pages are all in
+        host memory)."""
         load = dict(load or {})
         evictions = bounded_reasons(cache_stats["evictions"])
         with self._lock:
+            route_error = self._route_error.observed()
             return WorkerReport(
                 pages_free=cache_stats["free_pages"],
                 pages_cached=cache_stats["cached_pages"],
@@ -134,6 +145,8 @@ class WorkerFigures:
                 **{name: int(load.get(name, 0)) for name in LOAD_FIELDS},
                 **{name: int(load.get(name, HEALTHY[name])) for name in HEALTH_FIELDS},
                 tiers=tuple(tiers),
+                **{name: int(load.get(name, 0)) for name in DECODE_FIELDS},
+                route_error=route_error if any(route_error.counts) else None,
             )
 
 

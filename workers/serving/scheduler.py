@@ -155,8 +155,10 @@ class Scheduler:
             self._arrived.notify_all()
 
     def load(self) -> dict[str, int]:
-        """Sequences running and waiting now, and the prompt tokens they have yet to
-        compute (read from any thread: a moment's figures, not a locked snapshot)."""
+        """Sequences running and waiting now, the prompt tokens they have yet to compute,
+        and the most decode steps any of them has left (its remaining `max_new_tokens`:
+        a prompt arriving now shares its passes with those steps). Read from any thread:
+        a moment's figures, not a locked snapshot."""
         with self._lock:
             waiting = [seq for group in self._waiting for seq in group]
         running = list(self.running)
@@ -165,7 +167,15 @@ class Scheduler:
             allocation = seq.allocation
             if seq.phase in (Phase.COPYING, Phase.PREFILL) and allocation is not None:
                 queued += max(0, len(allocation.tokens) - seq.computed)
-        return {"running": len(running), "waiting": len(waiting), "queued_tokens": queued}
+        decode_steps = max(
+            (max(0, seq.max_new_tokens - len(seq.output)) for seq in running + waiting), default=0
+        )
+        return {
+            "running": len(running),
+            "waiting": len(waiting),
+            "queued_tokens": queued,
+            "decode_steps": decode_steps,
+        }
 
     # -- on the serving thread ---------------------------------------------------------
 

@@ -61,6 +61,7 @@ class Sequence:
         return_logits: keep the logits after the prompt's last token.
         timeout_s: its deadline, in seconds from its arrival (inf: none).
         request_id: its caller's name for it ("": none), to cancel it by.
+        route_estimate_s: the router's estimate of its time to first token (0: none).
     """
 
     seq_id: int
@@ -74,6 +75,7 @@ class Sequence:
     return_logits: bool = False
     timeout_s: float = math.inf
     request_id: str = ""
+    route_estimate_s: float = 0.0
     arrived: float = field(default_factory=time.perf_counter)
 
     phase: Phase = Phase.WAITING

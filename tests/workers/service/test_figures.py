@@ -7,7 +7,14 @@ import threading
 import pytest
 
 from cache_service import protocol
-from cache_service.messages import LOAD_BUCKETS, TTFT_BUCKETS, Observed, TenantTokens, TierFigures
+from cache_service.messages import (
+    LOAD_BUCKETS,
+    ROUTE_ERROR_BUCKETS,
+    TTFT_BUCKETS,
+    Observed,
+    TenantTokens,
+    TierFigures,
+)
 from cache_service.protocol import DEFAULT_LIMITS
 from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TENANTS
 from workers.service.figures import OTHER_REASON, OVERFLOW_SALT, TierCounters, WorkerFigures
@@ -46,6 +53,28 @@ def test_a_request_is_counted_once_by_tenant_and_source():
     assert report.ttft_hit.counts[TTFT_BUCKETS.index(0.05)] == 1
     assert report.ttft_miss.counts[TTFT_BUCKETS.index(1.0)] == 1
     assert sum(report.ttft_hit.counts) == sum(report.ttft_miss.counts) == 1
+    figures.check_integrity()
+
+
+def test_routed_requests_report_how_far_their_first_token_came_from_the_estimate():
+    figures = WorkerFigures()
+    assert figures.report(CACHE_STATS).route_error is None  # none routed: left off the wire
+    figures.routed(observed_s=0.5, estimated_s=0.45)  # 50 ms late
+    figures.routed(observed_s=0.2, estimated_s=1.2)  # a second early
+    load = {"decode_steps": 14, "step_ns": 30_000_000, "pass_tokens": 4096}
+    report = figures.report(CACHE_STATS, load)
+    error = report.route_error
+    assert error.counts[ROUTE_ERROR_BUCKETS.index(0.05)] == 1
+    assert error.counts[ROUTE_ERROR_BUCKETS.index(1.0)] == 1
+    assert sum(error.counts) == 2 and error.total == pytest.approx(1.05)
+    assert (report.decode_steps, report.step_ns, report.pass_tokens, report.chunk_tokens) == (
+        14,
+        30_000_000,
+        4096,
+        0,
+    )
+    field = protocol.table.MESSAGES["heartbeat"].request.fields["report"]
+    assert field.check(field.wire(report), "report", DEFAULT_LIMITS) == report
     figures.check_integrity()
 
 

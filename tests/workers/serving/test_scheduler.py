@@ -176,6 +176,27 @@ def test_a_request_arriving_while_others_decode_joins_the_next_pass(tiny):
     assert late.output == alone(tiny, second, 4)[0]
 
 
+def test_the_load_counts_the_most_decode_steps_any_sequence_has_left(tiny):
+    first, second = make_prompt(10, seed=3), make_prompt(12, seed=4)
+    with serving(tiny) as s:
+        loads: list[dict[str, int]] = []
+        late = seq(second, 4)
+
+        def on_token(token: int) -> None:
+            if not loads:
+                s.loop.submit([late])  # queued behind `early`, 4 tokens to decode
+            loads.append(s.scheduler.load())
+
+        early = seq(first, 12, on_token=on_token)
+        s.run([early])
+        late.result(timeout_s=60)
+        # At early's first token: 11 steps left to it, late's 12 prompt tokens queued.
+        assert loads[0] == {"running": 1, "waiting": 1, "queued_tokens": 12, "decode_steps": 11}
+        assert [load["decode_steps"] for load in loads[-3:]] == [2, 1, 0]
+        assert s.scheduler.load() == dict.fromkeys(loads[0], 0)
+        s.check_integrity()
+
+
 def test_chunked_prefill_interleaves_with_decode_and_equals_unchunked(tiny):
     long_prompt, short_prompt = make_prompt(30, seed=6), make_prompt(5, seed=7)
     with serving(tiny, prefill_chunk_tokens=8) as s:
