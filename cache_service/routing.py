@@ -20,6 +20,7 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
            + copy_s(w) * copied(w)                   what it copies in from holders
            + disk_s * read(w)                        what it, or a holder, reads from disk
            + decode(w)                               the decodes its passes carry meanwhile
+           + landing(w)                              a copy joins the pass after it landed
 
     own(w)     = max(held(w), pending(w))   prompt tokens w holds as a prefix, or is
                                             computing right now for a request in flight
@@ -31,6 +32,11 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
     decode(w)  = step_s(w) * min(decode_steps(w), passes(w))
     passes(w)  = the forward passes until the prompt's first token: its queue and its
                  compute at pass_tokens(w) a pass, its compute at chunk_tokens(w) a pass
+
+A copy runs beside the passes and the request joins the first pass after the copy
+landed: on a worker with passes running (its sequences decode or its queue is not empty)
+that is one pass later than a request that computes (`landing` = its step_s when it
+copies or loads from disk; 0 when it does neither, or is idle).
 
 Continuous batching runs the decodes of w's sequences in every pass beside the prefills,
 so the prompt waits for a decode step in each of its passes while any of them still
@@ -99,6 +105,11 @@ class WorkerLoad(NamedTuple):
         if self.chunk_tokens:
             passes = max(passes, math.ceil(compute / self.chunk_tokens))
         return max(1, passes)
+
+    def landing_s(self, queue: float) -> float:
+        """What copying adds: the pass a request waits for after its copy landed, when
+        passes are running."""
+        return self.step_s if (self.decode_steps or queue) else 0.0
 
     def decode_s(self, tokens: float, compute: int, prefill_s: float) -> float:
         """What the decodes of its sequences add to those passes."""
@@ -220,7 +231,10 @@ class EstimatedTtft:
             seconds = prefill_s * (queue + compute) + c.load.decode_s(
                 queue + compute, compute, prefill_s
             )
-            return seconds + copy_s * (reach - own) + disk_s * read, held, own
+            seconds += copy_s * (reach - own) + disk_s * read
+            if reach > own or read:  # loads from its disk go through a copy too
+                seconds += c.load.landing_s(queue)
+            return seconds, held, own
 
         figures = {c.worker_id: estimate(c) for c in candidates}
         soonest = min(seconds for seconds, _, _ in figures.values())

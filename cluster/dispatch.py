@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -128,6 +129,10 @@ class Dispatcher:
         # (its own requests in flight), or least-loaded for a policy that needs the index.
         local = make_policy(policy)
         self._fallback = local if not local.uses_holdings else make_policy("least-loaded")
+        # Routing a request and counting it in flight are one step: requests routed at
+        # once from several threads would otherwise each see the others' workers idle
+        # and herd onto the same one (a burst of cold prompts, all on one worker).
+        self._routing = threading.Lock()
 
     # -- the two steps -----------------------------------------------------------------
 
@@ -140,11 +145,12 @@ class Dispatcher:
         Raises:
             MeshError: every worker is dead, or the named one is.
         """
-        route = self.route(request) if worker is None else Route(worker, len(request.tokens))
-        chosen = route.worker
-        if self.roster.is_dead(chosen):
-            raise MeshError(f"worker {chosen!r} is dead")
-        handle = self.inflight.add(chosen, request.namespace, request.tokens, route.computes)
+        with self._routing:
+            route = self.route(request) if worker is None else Route(worker, len(request.tokens))
+            chosen = route.worker
+            if self.roster.is_dead(chosen):
+                raise MeshError(f"worker {chosen!r} is dead")
+            handle = self.inflight.add(chosen, request.namespace, request.tokens, route.computes)
         try:
             with self.roster.running(chosen):
                 yield Placement(chosen, route.estimate_s)

@@ -113,6 +113,20 @@ def test_decodes_ahead_cost_a_step_for_each_pass_the_prompt_shares_with_them():
     assert route([chunked], prompt=1000).score == pytest.approx(2e-3 * 1000 + 0.05 * 4)
 
 
+def test_a_busy_worker_that_copies_waits_a_pass_more_for_its_copy_to_land():
+    # a holds 960 tokens and decodes (100 ms a pass); b decodes too and must copy them.
+    busy = LOAD._replace(running=2, decode_steps=10, step_s=0.1, pass_tokens=4096)
+    both = [Candidate("a", "n1", 0, busy), Candidate("b", "n1", 0, busy)]
+    decision = route(both, {"a": 960}, nodes={"a": "n1"})
+    assert decision == RouteDecision("a", 960, pytest.approx(2e-3 * 40 + 0.1), "prefix")
+    # b's estimate: the same 40 tokens and decode step, the copy, and the pass after it.
+    alone = route([both[1]], {"a": 960}, nodes={"a": "n1"})
+    assert alone == RouteDecision("b", 0, pytest.approx(2e-3 * 40 + 0.1 + 9.6e-3 + 0.1), "copy")
+    # An idle b starts its pass as soon as the copy lands: no pass to wait for.
+    idle = Candidate("b", "n1", 0, LOAD._replace(step_s=0.1, pass_tokens=4096))
+    assert route([idle], {"a": 960}, nodes={"a": "n1"}).score == pytest.approx(0.08 + 9.6e-3)
+
+
 def test_an_idle_holder_wins_and_equal_costs_split_by_queue_then_id():
     idle = LOAD._replace(step_s=0.05, pass_tokens=4096)  # measured, nothing decoding
     both = [Candidate("a", "n1", 0, idle), Candidate("b", "n1", 0, idle)]

@@ -458,12 +458,17 @@ class Scheduler:
 
     def _admit_next(self) -> list[Sequence]:
         """Admit the oldest waiting group, or as much of it as fits; [] when nothing can
-        be admitted now."""
+        be admitted now. Groups waiting behind it that could share its batch plan join
+        it: requests that arrived apart (other callers, other front doors) but are
+        admitted in the same step compute a prefix they share once, as if they had
+        arrived together."""
+        room = self.config.max_running - len(self.running)
         with self._lock:
             if not self._waiting:
                 return []
             group = self._waiting.popleft()
-        room = self.config.max_running - len(self.running)
+            while self._waiting and len(group) < room and self._plannable(group + self._waiting[0]):
+                group = group + self._waiting.popleft()
         group, rest = group[:room], group[room:]
         admitted = self._acquire(group)
         if len(admitted) < len(group):
@@ -491,13 +496,7 @@ class Scheduler:
     def _acquire(self, group: list[Sequence]) -> list[Sequence]:
         """Pages for a group: one batch plan for its new sequences of one namespace when
         sharing is on, else one acquire each; stops at the first that does not fit."""
-        plannable = (
-            self.config.batch_sharing
-            and len(group) > 1
-            and all(s.reuse and s.preemptions == 0 for s in group)
-            and len({s.namespace for s in group}) == 1
-        )
-        if plannable:
+        if len(group) > 1 and self._plannable(group):
             entries = self.cache.acquire_batch([s.to_compute for s in group], group[0].namespace)
             if entries is not None:
                 for seq, entry in zip(group, entries, strict=True):
@@ -512,6 +511,15 @@ class Scheduler:
             self._start(seq, allocation, allocation.cached_tokens, [])
             admitted.append(seq)
         return admitted
+
+    def _plannable(self, group: list[Sequence]) -> bool:
+        """Whether one batch plan can admit `group`: sharing is on, and they are new
+        sequences that reuse, of one namespace."""
+        return (
+            self.config.batch_sharing
+            and all(s.reuse and s.preemptions == 0 for s in group)
+            and len({s.namespace for s in group}) == 1
+        )
 
     def _start(self, seq: Sequence, allocation, compute_from: int, deps: list[Sequence]) -> None:
         seq.allocation = allocation

@@ -143,6 +143,39 @@ def test_a_batch_computes_its_shared_prefix_once_and_matches_each_request_alone(
         assert done.output == output
 
 
+@pytest.mark.parametrize("sharing", [True, False])
+def test_requests_that_arrived_apart_but_are_admitted_together_share_their_prefix(
+    tiny, sharing
+):
+    prefix = make_prompt(32, seed=2)
+    prompts = [prefix + make_prompt(6, seed=20 + i, low=200, high=256) for i in range(3)]
+    other = Namespace("m", "", "another-tenant")
+    store = SharedPageStore.create(store_layout_for(tiny, 96, P), tag="apart")
+    try:
+        cache = PrefixCache(store, PrefixCacheConfig(page_tokens=P))
+        scheduler = Scheduler(cache, SchedulerConfig(batch_sharing=sharing))
+        first, second, third = (seq(p) for p in prompts)
+        elsewhere = Sequence(next(_ids), prompts[0], other, 6, Sampler(None))
+        for group in ([first], [second], [elsewhere], [third]):  # four callers, one by one
+            scheduler.add(group)
+        step = scheduler.schedule()
+        if sharing:
+            # The first two admitted as one plan: the second waits for the prefix the first
+            # computes. The third's namespace differs: the merge stops there (in order).
+            assert second.depends_on == [first] and step.sequences == [first, elsewhere, third]
+            assert [len(c.tokens) for c in step.chunks] == [38, 38, 38]
+            assert third.depends_on == []
+        else:
+            assert step.sequences == [first, second, elsewhere, third]
+            assert second.depends_on == []
+        scheduler.fail_all(RuntimeError("the test ends here"))
+        assert all(s.phase is Phase.FINISHED for s in (first, second, third, elsewhere))
+        scheduler.check_integrity()
+        cache.check_integrity()
+    finally:
+        store.close()
+
+
 def test_without_sharing_each_request_computes_its_whole_prompt(tiny):
     prefix = make_prompt(32, seed=2)
     prompts = [prefix + make_prompt(6, seed=10 + i, low=200, high=256) for i in range(4)]
