@@ -144,9 +144,7 @@ def test_a_batch_computes_its_shared_prefix_once_and_matches_each_request_alone(
 
 
 @pytest.mark.parametrize("sharing", [True, False])
-def test_requests_that_arrived_apart_but_are_admitted_together_share_their_prefix(
-    tiny, sharing
-):
+def test_requests_that_arrived_apart_but_are_admitted_together_share_their_prefix(tiny, sharing):
     prefix = make_prompt(32, seed=2)
     prompts = [prefix + make_prompt(6, seed=20 + i, low=200, high=256) for i in range(3)]
     other = Namespace("m", "", "another-tenant")
