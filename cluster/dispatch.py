@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -211,7 +212,9 @@ class Dispatcher:
             )
         held = max(decision.matched_tokens, int(pending.get(decision.worker_id, 0)))
         estimate_s = float(decision.score) if estimates else 0.0
-        return Route(decision.worker_id, max(1, len(tokens) - held), max(0.0, estimate_s))
+        if not (math.isfinite(estimate_s) and estimate_s > 0):
+            estimate_s = 0.0  # none to report against
+        return Route(decision.worker_id, max(1, len(tokens) - held), estimate_s)
 
     # -- requests ----------------------------------------------------------------------
 
