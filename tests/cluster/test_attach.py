@@ -55,6 +55,7 @@ STATS_KEYS = {
     "tenants",
     "service",
     "tiers",
+    "route_ttft_error",
 }
 
 
@@ -243,6 +244,8 @@ def test_stats_of_the_owner(owner):
     assert set(stats) == STATS_KEYS
     assert stats["engines"] == {}  # no vLLM engine joined this mesh
     assert stats["quarantined"] == []  # no member failed a spot check
+    # Requests sent to a named worker carry no routing estimate: none was judged.
+    assert stats["route_ttft_error"]["requests"] == before["route_ttft_error"]["requests"]
     assert stats["ray_address"] == ray.get_runtime_context().gcs_address
     assert isinstance(stats["epoch"], int) and not isinstance(stats["epoch"], bool)
     assert stats["epoch"] == ray.get(get_service().endpoint.remote())["epoch"]
