@@ -215,9 +215,7 @@ def snapshot_from(
             if any(t.tier == name for t in tiers)
         },
         tiers=reports.tiers(),
-        route_error=_summed(
-            ROUTE_ERROR_BUCKETS, [r.route_error for r in reported if r.route_error is not None]
-        ),
+        route_error=HistogramCounts(ROUTE_ERROR_BUCKETS, *reports.route_errors()),
     )
 
 

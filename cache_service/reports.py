@@ -26,7 +26,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from cache_service.messages import ROUTE_ERROR_BUCKETS, TIERS, TierFigures, WorkerReport
+from cache_service.messages import (
+    ROUTE_ERROR_BUCKETS,
+    TIERS,
+    Observed,
+    TierFigures,
+    WorkerReport,
+)
 from cache_service.routing import WorkerLoad
 
 SOURCES = ("local_hit", "remote_hit", "computed")
@@ -190,16 +196,21 @@ class WorkerReports:
             for tier, figures in tier_totals(self.items()).items()
         }
 
-    def route_error(self) -> dict[str, Any]:
-        """How far the routed requests' first tokens came from the router's estimate, over
-        every worker's report: how many, the mean, and the bucket bound that half and nine
-        in ten of them were within (None: past the largest bound)."""
+    def route_errors(self) -> Observed:
+        """How far the routed requests' first tokens came from the router's estimate, on
+        ROUTE_ERROR_BUCKETS, summed over every worker's report (the metric's histogram)."""
         counts = [0] * (len(ROUTE_ERROR_BUCKETS) + 1)
         total = 0.0
         for _worker, report, _live in self.items():
             if report.route_error is not None:
                 counts = [a + b for a, b in zip(counts, report.route_error.counts, strict=True)]
                 total += report.route_error.total
+        return Observed(tuple(counts), total)
+
+    def route_error(self) -> dict[str, Any]:
+        """`route_errors` in brief: how many, the mean, and the bucket bound that half and
+        nine in ten of them were within (None: past the largest bound)."""
+        counts, total = self.route_errors()
         requests = sum(counts)
 
         def within(share: float) -> float | None:
