@@ -1,17 +1,25 @@
 """`kvmesh bench serve`: routing under concurrent load, kvmesh's against the routing
 registry's baselines, on workers with the mesh and without it.
 
-Eight client threads send 64 requests through the front door to two workers (SmolLM2-135M
-on the CPU), each run on a fresh mesh (an empty cache) after a warm-up:
+Requests go through the front door to two workers (SmolLM2-135M on the CPU), each policy
+on a fresh mesh (an empty cache) after a warm-up. The workload (`--workload`,
+`benchmarks.serve_workload`) is the demo's prompts (system prompts, questions and
+conversations; 64 requests) or the Mooncake conversation trace scaled down (37
+conversations, 64 requests; `benchmarks/traces/`). How requests arrive (`--arrivals`):
 
-- 24 single questions, eight for each of three system prompts (the demo's support agent,
-  coding assistant and travel assistant, 300-350 tokens each);
-- eight conversations of five turns each (40 requests), two scripts with four customers
-  each: a turn's prompt is the whole conversation so far (the earlier turns' answers
-  included), so a client sends a conversation's turns one after the other.
+- `closed`: eight clients, each sending its next job (a question, or a conversation's
+  turns one after the other) when its last one ended;
+- `open`: jobs start at the arrivals of a Poisson process (seeded: the same times for
+  every policy and repeat) whose requests come at 80% of round-robin's capacity, the
+  requests per second it served closed-loop on a fresh mesh of the same kind first
+  (`capacity_rr`, `arrival_rate`); a conversation's turns still follow its answers.
+
+With `--front-doors 2` a second process attaches to the mesh (`cluster.connect` with the
+Ray address, as any second front door) and sends every other job (closed loop: four
+clients each); figures are suffixed `_2fd`.
 
 Policies, each the mesh's `routing.policy` (`cache_service.routing`: the service runs it
-over its index, the front door's requests in flight and the workers' reported loads):
+over its index, the front doors' requests in flight and the workers' reported loads):
 - `kvmesh`: kvmesh's own (what each worker holds, would copy and compute, against its
   queue and the decodes its passes carry);
 - `rr`: round-robin over the workers, request by request;
@@ -25,53 +33,42 @@ who holds what): figures suffixed `_solo`.
 The whole set runs `repeats` times, each repeat in an order rotated by one, so no policy
 always runs first or last on this shared machine. Figures are client-side
 (`ttft_client_s`: from the call to the first token, routing and queueing included), the
-median over the repeats: `requests_per_s_<p>`, `ttft_p50_<p>_s`, `ttft_p99_<p>_s`,
-`hit_rate_<p>` (prompt tokens reused, locally or copied, over all prompt tokens), and each
-repeat's `requests_per_s_<p>_runs` and `ttft_p99_<p>_runs`. `throughput_vs_best` and
+median over the repeats: `requests_per_s_<p>` (requests over the time from the start to
+the last result), `ttft_p50_<p>_s`, `ttft_p99_<p>_s`, `hit_rate_<p>` (prompt tokens
+reused, locally or copied, over all prompt tokens), and each repeat's
+`requests_per_s_<p>_runs` and `ttft_p99_<p>_runs`. `throughput_vs_best` and
 `p99_vs_best` weigh kvmesh against the best other policy on the mesh; `mesh_gain` is
-kvmesh's requests per second over the best policy's without the mesh. Each request asks
-for 16 new tokens (the model's end of turn ignored, so every request does the same work
-under every policy).
-
-Not yet here: open-loop (Poisson) arrivals, a workload shaped on the conversation trace,
-and two front doors at once.
+kvmesh's requests per second over the best policy's without the mesh. Every request asks
+for its new tokens with the model's end of turn ignored, so every request does the same
+work under every policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
+import json
 import random
+import select
 import statistics
+import subprocess
 import sys
-import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
 import cluster
+from benchmarks.serve_door import Plan, Sent, drive
+from benchmarks.serve_workload import WORKLOADS, jobs, requests_of
 from cluster.config import RoutingConfig, config_from_dict
-from cluster.demo_prompts import CONVERSATIONS, QUESTIONS, SYSTEM_PROMPTS
 
-CLIENTS = 8
-NEW_TOKENS = 16
-CUSTOMERS = 4  # instances of each conversation script
-POLICIES = ("kvmesh", "rr", "affinity")
-
-
-def _jobs(seed: int = 11) -> list[tuple[str, Any]]:
-    """("single", (system, question)) and ("conversation", (system, messages)) jobs."""
-    jobs: list[tuple[str, Any]] = []
-    for system, questions in QUESTIONS.items():
-        jobs += [("single", (system, q)) for q in questions]
-    for system, turns in CONVERSATIONS:
-        for customer in range(CUSTOMERS):
-            first = f"(Customer {customer + 1}.) {turns[0]}"
-            jobs.append(("conversation", (system, [first, *turns[1:]])))
-    random.Random(seed).shuffle(jobs)
-    return jobs
-
+CLIENTS = 8  # closed loop, over all front doors
+WORKERS = 2
+LOAD = 0.8  # open loop: arrivals at this fraction of round-robin's measured capacity
+SEED = 5  # the open loop's arrival times
+READY_TIMEOUT_S = 600.0  # for the second front door to attach and load its tokenizer
+RESULTS_TIMEOUT_S = 1200.0  # for its results once both doors started
+ARRIVALS = ("closed", "open")
 
 # The benchmark's name of each policy -> its name in the routing registry.
 REGISTRY_NAMES = {
@@ -84,72 +81,101 @@ POLICIES = tuple(REGISTRY_NAMES)
 WARM_UP = [{"role": "user", "content": "Say hello."}]  # no system prompt of the workload
 
 
-def _run_policy(name: str, cfg, jobs, log) -> dict[str, Any]:
+class Setup(NamedTuple):
+    """What every run of one invocation shares."""
+
+    workload: str
+    front_doors: int
+    clients: int  # closed loop; 0: open loop
+    offsets: list[float]  # open loop: each job's start after the start, in seconds
+
+
+def _run_policy(name: str, cfg, setup: Setup, log) -> dict[str, Any]:
+    """One policy on a fresh mesh: warm up each worker, then send the workload through
+    `setup.front_doors` front doors (job i through door i modulo their number)."""
     mesh = cluster.connect(cfg, log=log)
+    door = None
     try:
         tokenizer = mesh.tokenizer
         # Each worker runs a short prompt first: its first passes are slower than the rest.
         warm = tokenizer.apply_chat_template(WARM_UP, tokenize=False, add_generation_prompt=True)
         for worker in mesh.workers:
             mesh.generate(list(tokenizer.encode(warm)), 2, worker=worker)
-        results: list[Any] = []
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-        work: queue.SimpleQueue = queue.SimpleQueue()
-        for job in jobs:
-            work.put(job)
-
-        def ask(messages: list[dict[str, str]]) -> Any:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            tokens = list(tokenizer.encode(text))
-            result = mesh.generate(tokens, NEW_TOKENS, ignore_eos=True)
-            with lock:
-                results.append(result)
-            return result
-
-        def client() -> None:
-            try:
-                while True:
-                    try:
-                        kind, (system, payload) = work.get_nowait()
-                    except queue.Empty:
-                        return
-                    messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
-                    if kind == "single":
-                        ask([*messages, {"role": "user", "content": payload}])
-                        continue
-                    for turn in payload:
-                        messages.append({"role": "user", "content": turn})
-                        answer = ask(messages)
-                        messages.append({"role": "assistant", "content": answer.text})
-            except BaseException as exc:  # noqa: BLE001 - reported after the run
-                with lock:
-                    errors.append(exc)
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - start
-        if errors:
-            raise RuntimeError(f"policy {name}: {len(errors)} requests failed: {errors[0]!r}")
+        plans = _plans(setup)
+        if setup.front_doors == 2:
+            door = _second_door(plans[1], log)
+        start_at = time.time() + 0.5
+        if door is not None:
+            _tell(door, {"start_at": start_at})
+        start = start_at
+        sent = drive(mesh, plans[0], start_at)
+        if door is not None:
+            sent += _door_results(door)
         mesh.check_integrity()
     finally:
+        if door is not None and door.poll() is None:
+            door.kill()
+            door.wait()
         mesh.stop()
-    ttfts = sorted(r.stats["ttft_client_s"] for r in results)
-    prompt = sum(r.stats["prompt_tokens"] for r in results)
-    reused = sum(r.stats["local_hit_tokens"] + r.stats["remote_hit_tokens"] for r in results)
+    seconds = max(one.done_at for one in sent) - start
+    ttfts = sorted(one.ttft_s for one in sent)
+    prompt = sum(one.prompt_tokens for one in sent)
+    reused = sum(one.reused_tokens for one in sent)
     return {
-        f"requests_per_s_{name}": round(len(results) / seconds, 3),
+        f"requests_per_s_{name}": round(len(sent) / seconds, 3),
         f"ttft_p50_{name}_s": round(statistics.median(ttfts), 4),
         f"ttft_p99_{name}_s": round(_quantile(ttfts, 0.99), 4),
         f"hit_rate_{name}": round(reused / prompt, 4),
-        f"requests_{name}": len(results),
+        f"requests_{name}": len(sent),
     }
+
+
+def _plans(setup: Setup) -> list[Plan]:
+    """Each front door's share: job i to door i modulo the doors, the clients split."""
+    doors = setup.front_doors
+    count = len(jobs(setup.workload))
+    out = []
+    for door in range(doors):
+        mine = list(range(door, count, doors))
+        offsets = [setup.offsets[i] for i in mine] if setup.offsets else []
+        out.append(Plan(setup.workload, mine, setup.clients // doors, offsets))
+    return out
+
+
+def _second_door(plan: Plan, log) -> subprocess.Popen:
+    """Start the second front door's process and wait until it has attached."""
+    door = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.serve_door"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log if hasattr(log, "fileno") else None,
+        text=True,
+    )
+    address = ray.get_runtime_context().gcs_address
+    _tell(door, {"address": address, "plan": plan._asdict()})
+    line = _read_line(door, READY_TIMEOUT_S)
+    if line != "ready":
+        raise RuntimeError(f"the second front door did not attach (it said {line!r})")
+    return door
+
+
+def _tell(door: subprocess.Popen, message: dict) -> None:
+    door.stdin.write(json.dumps(message) + "\n")
+    door.stdin.flush()
+
+
+def _read_line(door: subprocess.Popen, timeout_s: float) -> str:
+    """The door's next line ("" when it ended first, or said nothing within timeout_s)."""
+    ready, _, _ = select.select([door.stdout], [], [], timeout_s)
+    return door.stdout.readline().strip() if ready else ""
+
+
+def _door_results(door: subprocess.Popen) -> list[Sent]:
+    # Its requests have deadlines of their own: this only bounds a door that hangs.
+    line = _read_line(door, RESULTS_TIMEOUT_S)
+    if not line.startswith("["):
+        raise RuntimeError(f"the second front door failed (it said {line[:200]!r})")
+    return [Sent(**one) for one in json.loads(line)]
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -160,58 +186,109 @@ def _quantile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (at - low)
 
 
-def run(log=sys.stderr, repeats: int = 3, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+def run(
+    log=sys.stderr,
+    repeats: int = 3,
+    policies: tuple[str, ...] = POLICIES,
+    workload: str = "demo",
+    arrivals: str = "closed",
+    front_doors: int = 1,
+) -> dict[str, Any]:
     """Run the benchmark; returns the named figures (also the JSON line of the CLI).
 
+    Args:
+        repeats: how often the whole set of runs is repeated (each in a rotated order).
+        policies: the benchmark's names of the policies to run (REGISTRY_NAMES).
+        workload: "demo" or "trace" (`benchmarks.serve_workload`).
+        arrivals: "closed" (CLIENTS clients, each sending its next job when its last one
+            ended) or "open" (jobs start at Poisson arrivals, at LOAD of round-robin's
+            requests per second measured closed-loop on a fresh mesh first).
+        front_doors: 1, or 2 (a second process attached to the mesh sends every other
+            job; figures suffixed `_2fd`).
+
     Raises:
-        ValueError: repeats below 1, or a policy the benchmark does not know.
+        ValueError: a bad argument (its value named).
     """
     if type(repeats) is not int or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     unknown = [p for p in policies if p not in REGISTRY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(REGISTRY_NAMES)}")
-    cfg = config_from_dict({"workers": {"count": 2, "threads": 1}})
-    jobs = _jobs()
-    runs = [(name, share) for share in (True, False) for name in policies]
+    if workload not in WORKLOADS or arrivals not in ARRIVALS or front_doors not in (1, 2):
+        raise ValueError(
+            f"workload {workload!r} (known: {', '.join(WORKLOADS)}), arrivals {arrivals!r} "
+            f"(known: {', '.join(ARRIVALS)}), front_doors {front_doors!r} (1 or 2)"
+        )
+    cfg = config_from_dict({"workers": {"count": WORKERS, "threads": 1}})
+    suffix = "_2fd" if front_doors == 2 else ""
+    closed = Setup(workload, front_doors, CLIENTS, [])
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=2, namespace="kvmesh", log_to_driver=False)
     results: dict[str, list[dict[str, Any]]] = {}
+    figures: dict[str, Any] = {"workload": workload, "arrivals": arrivals}
     try:
+        setup = closed
+        if arrivals == "open":
+            print("round-robin's capacity, closed loop on a fresh mesh...", file=log)
+            rate = _run_policy("capacity", _policy_config(cfg, "rr", True), closed, log)
+            capacity = rate["requests_per_s_capacity"]
+            figures[f"capacity_rr{suffix}"] = capacity
+            figures[f"arrival_rate{suffix}"] = round(LOAD * capacity, 3)
+            setup = Setup(workload, front_doors, 0, _arrivals(workload, LOAD * capacity))
+        runs = [(name, share) for share in (True, False) for name in policies]
         for repeat in range(repeats):
             turn = repeat % len(runs)
             for name, share in runs[turn:] + runs[:turn]:
-                key = name if share else f"{name}_solo"
+                key = (name if share else f"{name}_solo") + suffix
+                how = f"{CLIENTS} clients" if setup.clients else "open-loop arrivals"
                 print(
-                    f"repeat {repeat + 1}/{repeats}, {key}: a fresh mesh, {CLIENTS} clients...",
+                    f"repeat {repeat + 1}/{repeats}, {key}: a fresh mesh, {how}, "
+                    f"{front_doors} front door(s)...",
                     file=log,
                 )
-                workers = dataclasses.replace(cfg.workers, share=share)
-                routed = dataclasses.replace(
-                    cfg, workers=workers, routing=RoutingConfig(REGISTRY_NAMES[name])
-                )
-                figures = _run_policy(key, routed, jobs, log)
-                results.setdefault(key, []).append(figures)
+                one = _run_policy(key, _policy_config(cfg, name, share), setup, log)
+                results.setdefault(key, []).append(one)
                 print(
-                    f"  {figures[f'requests_per_s_{key}']} requests/s, TTFT p50 "
-                    f"{figures[f'ttft_p50_{key}_s']} s, p99 {figures[f'ttft_p99_{key}_s']} s, "
-                    f"hit rate {figures[f'hit_rate_{key}']}",
+                    f"  {one[f'requests_per_s_{key}']} requests/s, TTFT p50 "
+                    f"{one[f'ttft_p50_{key}_s']} s, p99 {one[f'ttft_p99_{key}_s']} s, "
+                    f"hit rate {one[f'hit_rate_{key}']}",
                     file=log,
                 )
     finally:
         if started:
             ray.shutdown()
-    return _summary(results, repeats)
+    return figures | _summary(results, repeats, setup, suffix)
 
 
-def _summary(results: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str, Any]:
+def _policy_config(cfg, name: str, share: bool):
+    workers = dataclasses.replace(cfg.workers, share=share)
+    return dataclasses.replace(cfg, workers=workers, routing=RoutingConfig(REGISTRY_NAMES[name]))
+
+
+def _arrivals(workload: str, requests_per_s: float) -> list[float]:
+    """Each job's start (seconds after the first): a Poisson process whose jobs bring
+    `requests_per_s` requests a second (a job of n turns counts n)."""
+    chosen = jobs(workload)
+    per_s = requests_per_s * len(chosen) / requests_of(chosen)
+    draw = random.Random(SEED)
+    out, at = [], 0.0
+    for _ in chosen:
+        out.append(round(at, 4))
+        at += draw.expovariate(per_s)
+    return out
+
+
+def _summary(
+    results: dict[str, list[dict[str, Any]]], repeats: int, setup: Setup, suffix: str
+) -> dict[str, Any]:
     """Medians over the repeats, each repeat's throughput and p99, and the ratios."""
     figures: dict[str, Any] = {
-        "clients": CLIENTS,
-        "workers": 2,
+        "clients": setup.clients,
+        "front_doors": setup.front_doors,
+        "workers": WORKERS,
         "repeats": repeats,
-        "requests": next(iter(results.values()))[0][f"requests_{next(iter(results))}"],
+        "requests": requests_of(jobs(setup.workload)),
     }
     for key, runs in results.items():
         for figure in ("requests_per_s", "ttft_p50", "ttft_p99", "hit_rate"):
@@ -219,14 +296,19 @@ def _summary(results: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str
             figures[name] = round(statistics.median(run[name] for run in runs), 4)
         figures[f"requests_per_s_{key}_runs"] = [run[f"requests_per_s_{key}"] for run in runs]
         figures[f"ttft_p99_{key}_runs"] = [run[f"ttft_p99_{key}_s"] for run in runs]
-    others = [key for key in results if key in REGISTRY_NAMES and key != "kvmesh"]
-    solo = [key for key in results if key.endswith("_solo")]
-    if "kvmesh" in results and others:
+    mine = f"kvmesh{suffix}"
+    others = [f"{p}{suffix}" for p in REGISTRY_NAMES if p != "kvmesh"]
+    others = [key for key in others if key in results]
+    solo = [f"{p}_solo{suffix}" for p in REGISTRY_NAMES]
+    solo = [key for key in solo if key in results]
+    if mine in results and others:
         best_rate = max(figures[f"requests_per_s_{key}"] for key in others)
         best_p99 = min(figures[f"ttft_p99_{key}_s"] for key in others)
-        figures["throughput_vs_best"] = round(figures["requests_per_s_kvmesh"] / best_rate, 3)
-        figures["p99_vs_best"] = round(figures["ttft_p99_kvmesh_s"] / best_p99, 3)
-    if "kvmesh" in results and solo:
+        figures[f"throughput_vs_best{suffix}"] = round(
+            figures[f"requests_per_s_{mine}"] / best_rate, 3
+        )
+        figures[f"p99_vs_best{suffix}"] = round(figures[f"ttft_p99_{mine}_s"] / best_p99, 3)
+    if mine in results and solo:
         best_solo = max(figures[f"requests_per_s_{key}"] for key in solo)
-        figures["mesh_gain"] = round(figures["requests_per_s_kvmesh"] / best_solo, 3)
+        figures[f"mesh_gain{suffix}"] = round(figures[f"requests_per_s_{mine}"] / best_solo, 3)
     return figures

@@ -22,6 +22,7 @@ from typing import Any
 
 from cache_service import protocol
 from cache_service.auth import WORKER, Identity, ServerKeys, allowed
+from cache_service.front_doors import FrontDoors
 from cache_service.index import GlobalIndex, PeerAddress, RegistryFull, StaleEpoch
 from cache_service.messages import (
     Ack,
@@ -101,6 +102,7 @@ class RequestHandlers:
     ):
         self.index = index
         self.quarantine = Quarantine() if quarantine is None else quarantine
+        self.front_doors = FrontDoors()  # every front door's requests in flight
         self.epoch = epoch
         self.reports = reports
         self.keys = keys
@@ -260,13 +262,22 @@ class RequestHandlers:
     def _route(self, request: Route) -> RouteDecision:
         # A member in quarantine takes no requests: its own cache may hold the poison.
         loads = {w: n for w, n in request.loads.items() if not self.quarantine.holds(w)}
-        return self.index.route(
-            request.namespace,
-            request.tokens,
+        prompt = request.tokens
+        length = len(prompt) // 4 if isinstance(prompt, bytes | bytearray) else len(prompt)
+        return self.front_doors.route(
+            request.door,
             loads,
             request.pending,
-            self.reports.loads(),
-            request.policy,
+            length,
+            self._clock(),
+            lambda weighed: self.index.route(
+                request.namespace,
+                request.tokens,
+                weighed,
+                request.pending,
+                self.reports.loads(),
+                request.policy,
+            ),
         )
 
     def _get_stats(self, request: GetStats) -> StatsReply:

@@ -248,6 +248,9 @@ class Route(NamedTuple):
     # worker id -> tokens of this prompt it is computing for a request in flight.
     pending: Mapping[str, float] = {}
     policy: str = "kvmesh"  # a name of cache_service.routing.POLICIES
+    # The front door asking (an id it makes at start): the service weighs the other
+    # doors' requests in flight beside its own (`cache_service.front_doors`).
+    door: str | None = None
 
 
 class GetStats(NamedTuple):

@@ -284,6 +284,7 @@ class ServiceServer:
         self.index.check_integrity()
         self.reports.check_integrity()
         self._handlers.quarantine.check()
+        self._handlers.front_doors.check_integrity()
 
     def quarantined(self) -> list[dict[str, Any]]:
         """The members in quarantine: holder, reporter, since (unix seconds), evidence."""

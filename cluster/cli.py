@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+# Options some benchmarks take (a keyword of their run()); unset ones are not passed.
+BENCH_OPTIONS = ("repeats", "workload", "arrivals", "front_doors")
+
+
 def _bench_runner(name: str) -> Callable[[], dict]:
     # Imported on demand: each benchmark pulls in only what it measures.
     module = importlib.import_module(f"benchmarks.{name}")
@@ -39,14 +43,19 @@ def _print_table(figures: dict) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     runner = _bench_runner(args.name)
     options = {}
-    if args.repeats is not None:
-        if "repeats" not in inspect.signature(runner).parameters:
-            print(f"kvmesh bench {args.name} takes no --repeats", file=sys.stderr)
+    accepted = inspect.signature(runner).parameters
+    for option in BENCH_OPTIONS:
+        value = getattr(args, option)
+        if value is None:
+            continue
+        if option not in accepted:
+            flag = "--" + option.replace("_", "-")
+            print(f"kvmesh bench {args.name} takes no {flag}", file=sys.stderr)
             return 2
-        if args.repeats < 1:
-            print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
-            return 2
-        options["repeats"] = args.repeats
+        options[option] = value
+    if options.get("repeats", 1) < 1:
+        print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
     figures = runner(**options)
     if not args.json:
         print(f"kvmesh bench {args.name}: {BENCHMARKS[args.name]}")
@@ -163,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print only the JSON line")
     bench.add_argument(
         "--repeats", type=int, help="how often to repeat the whole set (benchmarks that do: serve)"
+    )
+    bench.add_argument(
+        "--workload", choices=("demo", "trace"), help="serve: the demo's prompts or the trace's"
+    )
+    bench.add_argument(
+        "--arrivals",
+        choices=("closed", "open"),
+        help="serve: closed-loop clients, or open-loop Poisson arrivals",
+    )
+    bench.add_argument(
+        "--front-doors", type=int, choices=(1, 2), help="serve: front doors sending at once"
     )
     bench.set_defaults(func=cmd_bench)
     demo = commands.add_parser(

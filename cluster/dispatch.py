@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -119,13 +120,23 @@ class Dispatcher:
         inflight: this front door's requests in flight (routing weighs them).
         client: the service client routing asks (it skips the service while it is down).
         policy: the routing policy's name (`cache_service.routing.POLICIES`).
+        door: this front door's id in its ROUTEs (default: a new random one): the service
+            weighs other front doors' requests in flight beside this one's.
     """
 
-    def __init__(self, roster: Roster, inflight: InFlight, client: ServiceClient, policy: str):
+    def __init__(
+        self,
+        roster: Roster,
+        inflight: InFlight,
+        client: ServiceClient,
+        policy: str,
+        door: str | None = None,
+    ):
         self.roster = roster
         self.inflight = inflight
         self.client = client
         self.policy = policy
+        self.door = door or f"door-{secrets.token_hex(6)}"
         # Without the service, the same policy runs here on what this front door knows
         # (its own requests in flight), or least-loaded for a policy that needs the index.
         local = make_policy(policy)
@@ -198,7 +209,7 @@ class Dispatcher:
         pending = self.inflight.pending(namespace, tokens)
         estimates = self.policy == EstimatedTtft.name
         try:
-            decision = self.client.route(namespace, tokens, loads, pending, self.policy)
+            decision = self.client.route(namespace, tokens, loads, pending, self.policy, self.door)
         except ServiceUnavailable:
             estimates = False
             # Without the index: what this front door knows of its own requests.

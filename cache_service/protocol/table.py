@@ -30,7 +30,7 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # (ReportHolder, GetQuarantine; the heartbeat's reply carries the quarantine's version).
 # 10: pages have tiers: stored and removed events may carry theirs, demotions ("d"), and
 # match spans carry each page's tier where a span mixes tiers.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -180,6 +180,7 @@ MESSAGES: dict[str, MessageSchema] = {
             loads=LOADS,
             pending=LOADS,
             policy=ID,
+            door=OPTIONAL_ID,
         ),
         body(
             m.RouteDecision,

@@ -407,7 +407,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 10  # 10: page tiers in events and match spans
+    assert PROTOCOL_VERSION == 11  # 11: the front door of a ROUTE
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -702,6 +702,7 @@ REQUEST_BODIES = {
         loads=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
         pending=st.dictionaries(names, st.floats(min_value=0, allow_infinity=False), max_size=4),
         policy=names,
+        door=st.none() | names,
     ),
     "stats": st.builds(GetStats),
     "bye": st.builds(Bye, worker_id=names, epoch=counts),
@@ -1687,7 +1688,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=7), BAD_VERSION),  # the version before health in reports
         (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before capacities and spot checks
         (raw_frame(MATCH, {}, v=9), BAD_VERSION),  # the version before page tiers
-        (raw_frame(MATCH, {}, v=11), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=10), BAD_VERSION),  # the version before front doors in routes
+        (raw_frame(MATCH, {}, v=12), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

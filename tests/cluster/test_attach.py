@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -351,6 +352,34 @@ def test_top_renders_the_mesh(owner):
     assert len(calls) == 2
     drawn = out.getvalue()
     assert "w0" in drawn and "w1" in drawn and "globex" in drawn
+
+
+def test_two_front_doors_sending_a_burst_of_one_prefix_at_once_use_both_workers(owner, attached):
+    # A cold prefix (a tenant nothing else uses), four requests from each front door, all
+    # sent at once: neither door has the other's requests in flight, and the workers'
+    # heartbeats have not told of them yet; the service weighs each door's routed
+    # requests when it routes the other's.
+    prefix = list(range(200, 264))  # four pages
+    doors = [owner, attached]
+    together = threading.Barrier(8)
+    workers: list[str] = []
+    lock = threading.Lock()
+
+    def send(i: int) -> None:
+        together.wait(timeout=30)
+        result = doors[i % 2].generate(prefix + [300 + i], 16, tenant="burst", ignore_eos=True)
+        with lock:
+            workers.append(result.stats["worker"])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(workers) == 8
+    assert set(workers) == {"w0", "w1"}, workers
+    assert owner.dispatcher.door != attached.dispatcher.door
+    owner.check_integrity()
 
 
 def test_integrity_after_use(owner):

@@ -33,3 +33,11 @@ def test_unknown_benchmark_is_a_usage_error():
     run = _kvmesh("bench", "nope")
     assert run.returncode == 2
     assert "invalid choice: 'nope'" in run.stderr
+
+
+def test_a_bench_option_the_benchmark_does_not_take_is_a_usage_error():
+    run = _kvmesh("bench", "local", "--workload", "trace")
+    assert run.returncode == 2
+    assert "kvmesh bench local takes no --workload" in run.stderr
+    bad = _kvmesh("bench", "serve", "--front-doors", "3")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

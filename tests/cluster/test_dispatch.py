@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from cache_service.events import Namespace
+from cache_service.front_doors import FrontDoors
 from cache_service.routing import RouteInputs, candidates_of, make_policy
 from cluster.dispatch import Deadline, Dispatcher
 from cluster.inflight import InFlight
@@ -27,22 +28,34 @@ ROUND_TRIP_S = 0.02
 
 
 class SlowService:
-    """Answers ROUTE by running the named policy over the loads it is told, after a round
-    trip (every worker on one node, nothing indexed)."""
+    """Answers ROUTE by running the named policy over the loads it is told, weighing other
+    front doors' as the service does (`FrontDoors`, unless `doors` is False), after a
+    round trip; one ROUTE at a time, as the service's loop; every worker on one node,
+    nothing indexed."""
 
-    def __init__(self) -> None:
+    def __init__(self, doors: bool = True) -> None:
         self.policies: dict[str, object] = {}
+        self.doors = FrontDoors() if doors else None
+        self._loop = threading.Lock()
 
-    def route(self, namespace, tokens, loads, pending, policy):
+    def route(self, namespace, tokens, loads, pending, policy, door=None):
         time.sleep(ROUND_TRIP_S)
         chosen = self.policies.setdefault(policy, make_policy(policy))
         nodes = dict.fromkeys(loads, "n1")
-        return chosen.choose(RouteInputs(candidates_of(loads, nodes), len(tokens), pending=pending))
+
+        def choose(weighed):
+            inputs = RouteInputs(candidates_of(weighed, nodes), len(tokens), pending=pending)
+            return chosen.choose(inputs)
+
+        with self._loop:
+            if self.doors is None:
+                return choose(dict(loads))
+            return self.doors.route(door, loads, pending, len(tokens), time.monotonic(), choose)
 
 
-def dispatcher(policy: str) -> Dispatcher:
+def dispatcher(policy: str, service: SlowService | None = None) -> Dispatcher:
     roster = Roster(dict.fromkeys(WORKERS), restarts=False, on_lost=lambda worker: None)
-    return Dispatcher(roster, InFlight(16), SlowService(), policy)
+    return Dispatcher(roster, InFlight(16), service or SlowService(), policy)
 
 
 def request(seed: int, tokens: int = 100) -> FrontRequest:
@@ -50,26 +63,32 @@ def request(seed: int, tokens: int = 100) -> FrontRequest:
     return FrontRequest(NS, body)
 
 
-def place_at_once(front: Dispatcher, requests: list[FrontRequest]) -> list:
-    """Place every request from its own thread, all held in flight together."""
+def place_at_once(front: Dispatcher | list[Dispatcher], requests: list[FrontRequest]) -> list:
+    """Place every request from its own thread, all held in flight together; with several
+    front doors, request i goes through door i modulo their number."""
+    doors = front if isinstance(front, list) else [front]
     together = threading.Barrier(len(requests))
     placements: list = []
     lock = threading.Lock()
 
-    def place(one: FrontRequest) -> None:
-        with front.placed(one) as placement:
+    def place(door: Dispatcher, one: FrontRequest) -> None:
+        with door.placed(one) as placement:
             with lock:
                 placements.append(placement)
             together.wait(timeout=30)
 
-    threads = [threading.Thread(target=place, args=(one,)) for one in requests]
+    threads = [
+        threading.Thread(target=place, args=(doors[i % len(doors)], one))
+        for i, one in enumerate(requests)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
     assert len(placements) == len(requests)
-    front.inflight.check_integrity()
-    assert len(front.inflight) == 0  # every one counted out again
+    for door in doors:
+        door.inflight.check_integrity()
+        assert len(door.inflight) == 0  # every one counted out again
     return placements
 
 
@@ -79,6 +98,32 @@ def test_a_burst_of_cold_prompts_from_many_threads_is_spread_not_herded(policy):
     # would see two idle workers and pick the same one.
     placements = place_at_once(dispatcher(policy), [request(seed) for seed in range(8)])
     assert Counter(p.worker for p in placements) == {"w0": 4, "w1": 4}
+
+
+@pytest.mark.parametrize("policy", ["kvmesh", "least-loaded"])
+def test_two_front_doors_routing_at_once_weigh_each_other(policy):
+    # One request from each of two front doors at once: each door has nothing of its own
+    # in flight, and the workers have not reported either request yet. The service
+    # weighs the first door's request when it routes the second's.
+    service = SlowService()
+    doors = [dispatcher(policy, service), dispatcher(policy, service)]
+    assert doors[0].door != doors[1].door
+    placements = place_at_once(doors, [request(1), request(2)])
+    assert Counter(p.worker for p in placements) == {"w0": 1, "w1": 1}
+    # A burst of one prompt, four from each door: spread, not all on one worker.
+    burst = place_at_once(doors, [request(5)] * 8)
+    assert Counter(p.worker for p in burst) == {"w0": 4, "w1": 4}
+    service.doors.check_integrity()
+    assert len(service.doors) == 2
+
+
+def test_without_the_service_weighing_them_two_front_doors_herd():
+    # What the weighing prevents: each door sees only its own requests, both idle workers
+    # look the same to both doors, and both requests land on the same one.
+    service = SlowService(doors=False)
+    doors = [dispatcher("least-loaded", service), dispatcher("least-loaded", service)]
+    placements = place_at_once(doors, [request(1), request(2)])
+    assert Counter(p.worker for p in placements) == {"w0": 2}
 
 
 def test_kvmesh_hands_its_estimate_to_the_worker_and_the_baselines_none():

@@ -293,6 +293,7 @@ class ServiceClient:
         loads: Mapping[str, float],
         pending: Mapping[str, float] | None = None,
         policy: str = DEFAULT_POLICY,
+        door: str | None = None,
     ) -> RouteDecision:
         """Which worker should take this prompt, by the routing policy named (the
         default, kvmesh's: the soonest first token, from what each worker holds, would
@@ -304,10 +305,12 @@ class ServiceClient:
             pending: worker id -> tokens of this prompt it computes for a request in
                 flight.
             policy: a name of `cache_service.routing.POLICIES`.
+            door: this front door's id: the service then weighs the requests in flight
+                of other front doors beside `loads` (`cache_service.front_doors`).
         """
         loads = {worker: float(load) for worker, load in loads.items()}
         pending = {worker: float(n) for worker, n in (pending or {}).items()}
-        return self.call(Route(namespace, tokens, loads, pending, policy))
+        return self.call(Route(namespace, tokens, loads, pending, policy, door))
 
     def stats(self) -> dict[str, Any]:
         """Cluster, per-worker and per-tenant statistics of the service."""
