@@ -359,7 +359,7 @@ def test_two_front_doors_sending_a_burst_of_one_prefix_at_once_use_both_workers(
     # sent at once: neither door has the other's requests in flight, and the workers'
     # heartbeats have not told of them yet; the service weighs each door's routed
     # requests when it routes the other's.
-    prefix = list(range(200, 264))  # four pages
+    prefix = list(range(100, 164))  # four pages
     doors = [owner, attached]
     together = threading.Barrier(8)
     workers: list[str] = []
@@ -367,7 +367,7 @@ def test_two_front_doors_sending_a_burst_of_one_prefix_at_once_use_both_workers(
 
     def send(i: int) -> None:
         together.wait(timeout=30)
-        result = doors[i % 2].generate(prefix + [300 + i], 16, tenant="burst", ignore_eos=True)
+        result = doors[i % 2].generate(prefix + [170 + i], 16, tenant="burst", ignore_eos=True)
         with lock:
             workers.append(result.stats["worker"])
 
