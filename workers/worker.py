@@ -443,16 +443,17 @@ class Worker:
     def _load_figures(self) -> dict[str, int]:
         """The load and measured costs the heartbeat carries (for routing): nanoseconds
         to compute a prompt token (this machine's prefill curve, 512 tokens after 512),
-        to copy one token's KV (the links' probes) and to run a pass of decodes, with the
+        to copy one token's KV (its measured links to holders on its node and on others,
+        the probes' before its first copy of a kind) and to run a pass of decodes, with the
         most tokens a pass and a prompt's chunk take; and its health (for the metrics)."""
         token_bytes = self.store.layout.page_bytes / self.cache.page_tokens
         prefill_s = self.profile.seconds(512, 512) / 512
-        probe = self.member.links.probe
+        links = self.member.links
         figures = {
             **self.scheduler.load(),
             "prefill_ns": 1e9 * prefill_s,
-            "copy_ns_same_node": 1e9 * token_bytes / probe[False].bytes_per_s,
-            "copy_ns_remote": 1e9 * token_bytes / probe[True].bytes_per_s,
+            "copy_ns_same_node": 1e9 * token_bytes / links.measured(False).bytes_per_s,
+            "copy_ns_remote": 1e9 * token_bytes / links.measured(True).bytes_per_s,
             "step_ns": 1e9 * self.step_s,
             "pass_tokens": self.settings.scheduler.max_batch_tokens,
             "chunk_tokens": self.settings.scheduler.prefill_chunk_tokens,

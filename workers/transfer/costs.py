@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -307,6 +308,18 @@ class LinkRates:
         if s_per_byte is None:
             return probe if prior is None else prior
         return probe._replace(bytes_per_s=1.0 / s_per_byte)
+
+    def measured(self, remote: bool) -> Link:
+        """The link a copy from a holder of this kind (on another node, or on this one)
+        is expected to take: the median of the holders' measured links of that kind, or
+        the probe's before any real fetch (what the heartbeat reports for routing)."""
+        with self._lock:
+            rates = sorted(
+                1.0 / s for h, s in self._s_per_byte.items() if self._remote[h] == remote
+            )
+        if not rates:
+            return self.probe[remote]
+        return self.probe[remote]._replace(bytes_per_s=statistics.median(rates))
 
     def observe(self, holder: str, remote: bool, nbytes: int, seconds: float) -> None:
         """A real fetch of `nbytes` from `holder` took `seconds`."""

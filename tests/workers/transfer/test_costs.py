@@ -136,6 +136,21 @@ def test_link_rates_start_from_the_probe_then_follow_real_fetches():
     rates.check_integrity()
 
 
+def test_the_link_reported_for_routing_is_the_median_of_the_measured_holders_of_its_kind():
+    rates = LinkRates(shm_bytes_per_s=1e10, remote_bytes_per_s=1e9, remote_latency_s=0.001)
+    assert rates.measured(True) == Link(True, 1e9, 0.001)  # no fetch yet: the probe
+    assert rates.measured(False) == Link(False, 1e10, 0.0)
+    for holder, seconds in (("a", 0.01), ("b", 0.02), ("c", 0.1)):  # 100, 50, 10 MB/s
+        rates.observe(holder, True, 1_000_000, 0.001 + seconds)
+    rates.observe("d", False, 1_000_000, 0.0005)  # a same-node holder: 2 GB/s
+    assert rates.measured(True).bytes_per_s == pytest.approx(5e7)  # b's, the median
+    assert rates.measured(True).latency_s == 0.001
+    assert rates.measured(False).bytes_per_s == pytest.approx(2e9)
+    rates.forget("d")
+    assert rates.measured(False) == Link(False, 1e10, 0.0)
+    rates.check_integrity()
+
+
 # ---------------------------------------------------------------------------- deciding
 
 
