@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from cache_service.reports import NO_FIGURES, SOURCES, TenantFigures
 
 if TYPE_CHECKING:
-    from cache_service.metrics import HistogramCounts, MetricsSnapshot
+    from cache_service.histograms import HistogramCounts
+    from cache_service.metrics import MetricsSnapshot
 
 
 def history_point(snapshot: MetricsSnapshot) -> dict[str, Any]:

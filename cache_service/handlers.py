@@ -23,6 +23,7 @@ from typing import Any
 from cache_service import protocol
 from cache_service.auth import WORKER, Identity, ServerKeys, allowed
 from cache_service.front_doors import FrontDoors
+from cache_service.histograms import Histogram
 from cache_service.index import GlobalIndex, PeerAddress, RegistryFull, StaleEpoch
 from cache_service.messages import (
     Ack,
@@ -53,7 +54,6 @@ from cache_service.messages import (
     RouteDecision,
     StatsReply,
 )
-from cache_service.metrics import Histogram
 from cache_service.protocol import ProtocolError
 from cache_service.quarantine import Quarantine
 from cache_service.reports import WorkerReports

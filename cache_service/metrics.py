@@ -24,7 +24,6 @@ tier a worker reports. A tier's hit rate is its hit tokens over all prompt token
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,13 +38,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cache_service import dashboard_data
+from cache_service.histograms import Histogram, HistogramCounts, summed
 from cache_service.messages import (
     COPY_BUCKETS,
     LOAD_BUCKETS,
     ROUTE_ERROR_BUCKETS,
     TIERS,
     TTFT_BUCKETS,
-    Observed,
     TierFigures,
 )
 from cache_service.reports import (
@@ -64,48 +63,6 @@ NO_TIER = "none"
 HISTORY_POINTS = 600
 
 LOOKUP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
-
-
-class HistogramCounts(NamedTuple):
-    """A histogram's state: per-bucket counts (not cumulative; the last is +Inf), sum."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    total: float
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus' form: (upper bound, observations <= it), ending with +Inf."""
-        out, running = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return out
-
-
-class Histogram:
-    """Fixed buckets, observed by one thread (the loop); `counts()` is a copy."""
-
-    def __init__(self, bounds: Sequence[float]):
-        assert list(bounds) == sorted(bounds) and len(set(bounds)) == len(bounds), bounds
-        self.bounds = tuple(float(b) for b in bounds)
-        self._counts = [0] * (len(self.bounds) + 1)
-        self._total = 0.0
-
-    def observe(self, value: float) -> None:
-        # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
-        self._counts[bisect.bisect_left(self.bounds, value)] += 1
-        self._total += value
-
-    def counts(self) -> HistogramCounts:
-        return HistogramCounts(self.bounds, tuple(self._counts), self._total)
-
-    def observed(self) -> Observed:
-        """The state as a worker report carries it (the bounds are the protocol's)."""
-        return Observed(tuple(self._counts), self._total)
 
 
 class WorkerFiguresRow(NamedTuple):
@@ -202,31 +159,21 @@ def snapshot_from(
         lookup=lookup.counts(),
         served=reports.tenant_figures(tenant_name),
         workers=workers,
-        copy_seconds=_summed(COPY_BUCKETS, [r.copy_seconds for r in reported]),
+        copy_seconds=summed(COPY_BUCKETS, [r.copy_seconds for r in reported]),
         ttft={
-            "hit": _summed(TTFT_BUCKETS, [r.ttft_hit for r in reported]),
-            "miss": _summed(TTFT_BUCKETS, [r.ttft_miss for r in reported]),
+            "hit": summed(TTFT_BUCKETS, [r.ttft_hit for r in reported]),
+            "miss": summed(TTFT_BUCKETS, [r.ttft_miss for r in reported]),
         },
         quarantined=tuple((quarantine or {}).get("members", ())),
         quarantines=(quarantine or {}).get("quarantines", 0),
         load_seconds={
-            name: _summed(LOAD_BUCKETS, [t.load_seconds for t in tiers if t.tier == name])
+            name: summed(LOAD_BUCKETS, [t.load_seconds for t in tiers if t.tier == name])
             for name in TIERS
             if any(t.tier == name for t in tiers)
         },
         tiers=reports.tiers(),
         route_error=HistogramCounts(ROUTE_ERROR_BUCKETS, *reports.route_errors()),
     )
-
-
-def _summed(bounds: Sequence[float], observed: Sequence[Observed]) -> HistogramCounts:
-    counts = [0] * (len(bounds) + 1)
-    total = 0.0
-    for item in observed:
-        for i, count in enumerate(item.counts):
-            counts[i] += count
-        total += item.total
-    return HistogramCounts(tuple(bounds), tuple(counts), total)
 
 
 class SnapshotCollector(Collector):

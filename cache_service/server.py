@@ -46,6 +46,7 @@ from cache_service import metrics, protocol, zap
 from cache_service.addresses import check_bind_host
 from cache_service.auth import ServerKeys
 from cache_service.handlers import RequestHandlers
+from cache_service.histograms import Histogram
 from cache_service.index import GlobalIndex
 from cache_service.quarantine import Quarantine
 from cache_service.reports import WorkerReports
@@ -146,7 +147,7 @@ class ServiceServer:
         self._stop = threading.Event()
         self._address = ""
         # Metrics: the loop times matches and publishes snapshots; the web thread serves.
-        self._lookup = metrics.Histogram(metrics.LOOKUP_BUCKETS)
+        self._lookup = Histogram(metrics.LOOKUP_BUCKETS)
         self._collector = metrics.SnapshotCollector()
         self.reports = WorkerReports()  # the workers' own figures, from their heartbeats
         self._web: WebServer | None = None

@@ -50,6 +50,7 @@ from cache_service.messages import HolderSpan, WorkerReport
 from workers.cache.disk_settings import default_directory, mesh_key
 from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
 from workers.disk_link import DiskLink, DiskSettings, open_disk
+from workers.peer_lookup import look_up_peer
 from workers.service.client import (
     SERVICE_BACKOFF_S,
     ServiceClient,
@@ -588,19 +589,3 @@ class MeshMember:
         self.store.close()
         if self.disk is not None:
             self.disk.close()
-
-
-def look_up_peer(client: ServiceClient, worker_id: str) -> PeerInfo | None:
-    """A holder's entry in the service's registry (what its REGISTER carried); None when
-    the registry does not know it (gone since the match) or the service did not answer."""
-    try:
-        entry = client.peer(worker_id)
-    except (ServiceError, ServiceUnavailable) as exc:
-        log.info("no registry entry for %s: %s", worker_id, exc)
-        return None
-    if entry is None:
-        return None
-    log.info("found peer %s in the service's registry", worker_id)
-    return PeerInfo(
-        worker_id, entry.node_id, entry.shm_name, entry.address, entry.page_key, entry.epoch
-    )

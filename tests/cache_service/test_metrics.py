@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service import protocol
+from cache_service.histograms import Histogram, HistogramCounts
 from cache_service.messages import (
     COPY_BUCKETS,
     EMPTY_REPORT,
@@ -26,8 +27,6 @@ from cache_service.messages import (
     no_observations,
 )
 from cache_service.metrics import (
-    Histogram,
-    HistogramCounts,
     MetricsSnapshot,
     SnapshotCollector,
     WorkerFiguresRow,

@@ -32,7 +32,8 @@ from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.engines.enrollment import SERVICE_BACKOFF_S, Enrollment
 from workers.engines.kv_copier import KVCopier
 from workers.engines.kv_layouts import LayerKV
-from workers.member import MeshMember, look_up_peer
+from workers.member import MeshMember
+from workers.peer_lookup import look_up_peer
 from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable, recover
 from workers.store.layout import StoreLayout
 from workers.transfer.peers import PEER_TTL_S, PeerInfo, Peers

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from cache_service.histograms import Histogram
 from cache_service.messages import (
     COPY_BUCKETS,
     DECODE_FIELDS,
@@ -35,7 +36,6 @@ from cache_service.messages import (
     TierFigures,
     WorkerReport,
 )
-from cache_service.metrics import Histogram
 from cache_service.protocol.report_wire import MAX_REPORT_REASONS, MAX_REPORT_TENANTS
 
 OVERFLOW_SALT = "(other)"  # no tenant salt looks like this (salts are hex digests)
