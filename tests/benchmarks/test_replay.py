@@ -182,6 +182,27 @@ def test_hand_trace_round_robin_misses_what_prefix_routing_hits():
     assert prefix["vs_infinite"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize(
+    "routing, per_worker, local, remote",
+    [
+        ("kvmesh", {"w0": 1, "w1": 2}, 512, 1024),  # as "prefix" above
+        # Per-worker caches, nothing copied: only r1's blocks 1 and 2 hit, on w0.
+        ("round-robin", {"w0": 2, "w1": 1}, 512, 0),
+        # r1 to the idle w1, which copies blocks 1 and 2; r2 to w1, which holds block 1.
+        ("least-loaded", {"w0": 1, "w1": 2}, 512, 1024),
+        # r1 stays on w0, the holder, while loads are balanced (blocks 1 and 2 its own);
+        # r2 goes to w1 once w0 is the busier, copying block 1.
+        ("prefix-affinity", {"w0": 2, "w1": 1}, 1024, 512),
+    ],
+)
+def test_every_registry_policy_replays_the_hand_trace(routing, per_worker, local, remote):
+    figures = replay(HAND_TRACE, workers=2, pages_per_worker=8, routing=routing)
+    assert figures["routing"] == routing
+    assert figures["requests_per_worker"] == per_worker
+    assert (figures["local_hit_tokens"], figures["remote_hit_tokens"]) == (local, remote)
+    assert figures["computed_tokens"] == HAND_INPUT - local - remote
+
+
 def test_small_pools_evict_least_recently_used_pages():
     # One worker of 3 pages: r2 needs 2 new pages, so the LRU leaves (blocks 3, 2) go.
     figures = replay(HAND_TRACE, workers=1, pages_per_worker=3, routing="round-robin")
