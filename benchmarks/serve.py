@@ -38,7 +38,8 @@ the last result), `ttft_p50_<p>_s`, `ttft_p99_<p>_s`, `hit_rate_<p>` (prompt tok
 reused, locally or copied, over all prompt tokens), and each repeat's
 `requests_per_s_<p>_runs` and `ttft_p99_<p>_runs`. `throughput_vs_best` and
 `p99_vs_best` weigh kvmesh against the best other policy on the mesh; `mesh_gain` is
-kvmesh's requests per second over the best policy's without the mesh. Every request asks
+kvmesh's requests per second over the best policy's without the mesh (each also per
+repeat, `..._runs`: a repeat's runs against each other). Every request asks
 for its new tokens with the model's end of turn ignored, so every request does the same
 work under every policy.
 """
@@ -301,14 +302,39 @@ def _summary(
     others = [key for key in others if key in results]
     solo = [f"{p}_solo{suffix}" for p in REGISTRY_NAMES]
     solo = [key for key in solo if key in results]
-    if mine in results and others:
-        best_rate = max(figures[f"requests_per_s_{key}"] for key in others)
-        best_p99 = min(figures[f"ttft_p99_{key}_s"] for key in others)
-        figures[f"throughput_vs_best{suffix}"] = round(
-            figures[f"requests_per_s_{mine}"] / best_rate, 3
+    if mine not in results:
+        return figures
+    ratios = []  # (name, figure, the policies weighed against, which of theirs is best)
+    if others:  # kvmesh against the best other policy on the mesh
+        ratios += [("throughput_vs_best", "requests_per_s", others, max)]
+        ratios += [("p99_vs_best", "ttft_p99", others, min)]
+    if solo:  # kvmesh against the best policy without the mesh
+        ratios += [("mesh_gain", "requests_per_s", solo, max)]
+    for name, figure, against, best in ratios:
+        unit = "_s" if figure.startswith("ttft") else ""
+        medians = {key: figures[f"{figure}_{key}{unit}"] for key in (mine, *against)}
+        figures[f"{name}{suffix}"] = round(medians[mine] / best(medians[k] for k in against), 3)
+        # Each repeat's own: kvmesh's run against the others' runs of the same repeat.
+        runs = {key: [run[f"{figure}_{key}{unit}"] for run in results[key]] for key in medians}
+        figures[f"{name}{suffix}_runs"] = [
+            round(runs[mine][r] / best(runs[k][r] for k in against), 3) for r in range(repeats)
+        ]
+    return figures
+    rate = {key: figures[f"requests_per_s_{key}_runs"] for key in results}
+    p99 = {key: figures[f"ttft_p99_{key}_runs"] for key in results}
+    ratios = []
+    if others:  # kvmesh against the best other policy on the mesh
+        ratios.append(("throughput_vs_best", rate, others, max, False))
+        ratios.append(("p99_vs_best", p99, others, min, False))
+    if solo:  # kvmesh against the best policy without the mesh
+        ratios.append(("mesh_gain", rate, solo, max, False))
+    for name, runs, against, best, _ in ratios:
+        median = statistics.median
+        figures[f"{name}{suffix}"] = round(
+            median(runs[mine]) / best(median(runs[key]) for key in against), 3
         )
-        figures[f"p99_vs_best{suffix}"] = round(figures[f"ttft_p99_{mine}_s"] / best_p99, 3)
-    if mine in results and solo:
-        best_solo = max(figures[f"requests_per_s_{key}"] for key in solo)
-        figures[f"mesh_gain{suffix}"] = round(figures[f"requests_per_s_{mine}"] / best_solo, 3)
+        # Each repeat's own: its runs against the others' runs of the same repeat.
+        figures[f"{name}{suffix}_runs"] = [
+            round(runs[mine][r] / best(runs[key][r] for key in against), 3) for r in range(repeats)
+        ]
     return figures

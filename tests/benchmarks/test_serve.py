@@ -138,4 +138,8 @@ def test_the_summary_weighs_kvmesh_against_the_best_other_and_the_best_without_t
     assert figures["throughput_vs_best_2fd"] == round(2.0 / 1.9, 3)  # ll's rate
     assert figures["p99_vs_best_2fd"] == 0.5  # against rr's p99 of 2.0
     assert figures["mesh_gain_2fd"] == 1.6
+    # Each repeat against the others' runs of the same repeat.
+    assert figures["throughput_vs_best_2fd_runs"] == [round(2.0 / 1.9, 3), 1.158, 0.947]
+    assert figures["p99_vs_best_2fd_runs"] == [0.5, 0.8, 0.32]
+    assert figures["mesh_gain_2fd_runs"] == [1.6, 1.76, 1.44]
     assert figures["front_doors"] == 2 and figures["requests"] == 64
