@@ -111,6 +111,16 @@ def prepare_model(name: str, log) -> Any:
     return tokenizer
 
 
+def model_tokenizer(name: str) -> Any:
+    """The model's tokenizer alone (None for the tiny test model): what a front door that
+    attached to a running mesh needs, without loading the weights."""
+    if name == "tiny":
+        return None
+    from workers.serving.model_loader import load_tokenizer
+
+    return load_tokenizer()
+
+
 def find_service() -> Any | None:
     """The service actor of the mesh in this Ray cluster, or None."""
     try:

@@ -22,9 +22,9 @@ worker: a recompute, never an error for the user. `stats()` shows it as not aliv
 it back once it answers, and its peers learn its new store.
 
 Keys: `connect` makes the mesh's keys (`cache_service.auth.MeshKeys`: the service's, the
-front door's, one pair per worker, and the mesh secret) and hands them to the actors it
-creates; with `security.auth` on (the default) the service and the page servers admit
-those keys only, each bound to its identity.
+front door's, one pair per worker, the mesh secret) and hands them to the actors it makes;
+with `security.auth` on (the default) the service and the page servers admit those keys
+only, each bound to its identity.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +57,7 @@ from cluster.actors import (
     gather,
     join_ray,
     local_pids,
+    model_tokenizer,
     prepare_model,
     start_workers,
     wait_ready,
@@ -150,6 +152,7 @@ class Mesh:
         self.roster = Roster(workers, cfg.workers.max_restarts != 0, self._report_dead)
         self.workers = workers  # worker id -> actor handle
         self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
         self.owned = owned
         self._started_ray = started_ray
         self._secret = keys.secret
@@ -271,9 +274,11 @@ class Mesh:
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer (None for the tiny test model); an attached front door
-        loads it on first use."""
+        loads it (the tokenizer alone) on first use, once however many threads ask."""
         if self._tokenizer is None and self.config.model.name != "tiny":
-            self._tokenizer = prepare_model(self.config.model.name, sys.stderr)
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = model_tokenizer(self.config.model.name)
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests
@@ -539,8 +544,7 @@ class Mesh:
 
     def shutdown(self) -> None:
         """Stop what `connect` started: the whole mesh when it started it (`stop()`), or
-        only this front door when it attached to a running mesh (`detach()`).
-        Idempotent."""
+        only this front door when it attached to a running mesh (`detach()`). Idempotent."""
         if self.owned:
             self.stop()
         else:

@@ -10,6 +10,7 @@ stops the module's mesh, so it must stay last in this file.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import socket
 import threading
@@ -23,7 +24,7 @@ from rich.console import Console
 
 import cluster
 from cache_service.actor import RAY_NAMESPACE, get_service
-from cluster.config import config_from_dict
+from cluster.config import ModelConfig, config_from_dict
 from cluster.errors import MeshError
 from cluster.status import render, run_top, top_view
 from tests.waiting import wait_until
@@ -380,6 +381,38 @@ def test_two_front_doors_sending_a_burst_of_one_prefix_at_once_use_both_workers(
     assert set(workers) == {"w0", "w1"}, workers
     assert owner.dispatcher.door != attached.dispatcher.door
     owner.check_integrity()
+
+
+def test_an_attached_front_door_loads_its_tokenizer_once_however_many_threads_ask(
+    attached, monkeypatch
+):
+    # As a front door of a real model's mesh: the first requests of several client
+    # threads all want the tokenizer at once.
+    loads: list[str] = []
+
+    def slow_tokenizer(name: str) -> object:
+        loads.append(name)
+        time.sleep(0.2)
+        return object()
+
+    monkeypatch.setattr("cluster.mesh.model_tokenizer", slow_tokenizer)
+    monkeypatch.setattr(
+        attached, "config", dataclasses.replace(attached.config, model=ModelConfig())
+    )
+    together = threading.Barrier(6)
+    got: list[object] = []
+
+    def ask() -> None:
+        together.wait(timeout=30)
+        got.append(attached.tokenizer)
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert loads == ["smollm2-135m"]
+    assert len(got) == 6 and all(one is got[0] for one in got)
 
 
 def test_integrity_after_use(owner):

@@ -151,6 +151,25 @@ def _load_cached(
     return loaded
 
 
+def load_tokenizer(
+    spec: ModelSpec = SMOLLM2_135M, cache_dir: str | Path | None = None
+) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone, offline: from its cache when one is there, else from
+    the GGUF (what a front door needs; no weights are read).
+
+    Raises:
+        ModelNotFoundError: the model's package is not installed.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(spec)
+    gguf = gguf_path(spec)
+    if _read_marker(cache_dir) is not None:
+        try:
+            return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - the GGUF has it too
+            _progress(f"cached tokenizer of {spec.name} unreadable ({e}); reading the GGUF's")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+
+
 def load_smollm2(
     cache_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,

@@ -25,6 +25,7 @@ from workers.serving.model_loader import (
     full_prefill_logits,
     load_model,
     load_smollm2,
+    load_tokenizer,
     rope_theta,
     smollm2_shaped,
     tiny_llama,
@@ -99,6 +100,24 @@ def test_smollm2_loads_from_its_cache(smollm2):
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+
+
+@pytest.mark.slow
+def test_the_tokenizer_alone_loads_from_the_cache_or_the_gguf_without_weights(
+    smollm2, tmp_path, monkeypatch
+):
+    # What an attached front door loads: never the weights (a front door's threads once
+    # all loaded the model at the same time on first use, and some failed).
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(model_loader.AutoModelForCausalLM, "from_pretrained", no_weights)
+    _, tokenizer = smollm2
+    text = "<|im_start|>user\nhello there<|im_end|>"
+    cached = load_tokenizer()  # from the cache the fixture's load left
+    from_gguf = load_tokenizer(cache_dir=tmp_path / "no-cache-here")
+    assert cached.encode(text) == from_gguf.encode(text) == tokenizer.encode(text)
+    assert not (tmp_path / "no-cache-here").exists()  # reading it writes nothing
 
 
 def test_model_cache_is_built_once_atomically_and_rebuilt_when_stale(tmp_path, monkeypatch, tiny):
