@@ -108,7 +108,6 @@ def _run_policy(name: str, cfg, setup: Setup, log) -> dict[str, Any]:
         start_at = time.time() + 0.5
         if door is not None:
             _tell(door, {"start_at": start_at})
-        start = start_at
         sent = drive(mesh, plans[0], start_at)
         if door is not None:
             sent += _door_results(door)
@@ -118,7 +117,7 @@ def _run_policy(name: str, cfg, setup: Setup, log) -> dict[str, Any]:
             door.kill()
             door.wait()
         mesh.stop()
-    seconds = max(one.done_at for one in sent) - start
+    seconds = max(one.done_at for one in sent) - start_at
     ttfts = sorted(one.ttft_s for one in sent)
     prompt = sum(one.prompt_tokens for one in sent)
     reused = sum(one.reused_tokens for one in sent)
@@ -149,7 +148,7 @@ def _second_door(plan: Plan, log) -> subprocess.Popen:
         [sys.executable, "-m", "benchmarks.serve_door"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=log if hasattr(log, "fileno") else None,
+        stderr=_file_of(log),
         text=True,
     )
     address = ray.get_runtime_context().gcs_address
@@ -158,6 +157,16 @@ def _second_door(plan: Plan, log) -> subprocess.Popen:
     if line != "ready":
         raise RuntimeError(f"the second front door did not attach (it said {line!r})")
     return door
+
+
+def _file_of(log) -> Any:
+    """`log` where a child process can write to it (a real file), else None (the child
+    then writes to this process's stderr)."""
+    try:
+        log.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
+    return log
 
 
 def _tell(door: subprocess.Popen, message: dict) -> None:

@@ -5,6 +5,7 @@ long for the suite; its figures are quoted from runs.)"""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -143,3 +144,9 @@ def test_the_summary_weighs_kvmesh_against_the_best_other_and_the_best_without_t
     assert figures["p99_vs_best_2fd_runs"] == [0.5, 0.8, 0.32]
     assert figures["mesh_gain_2fd_runs"] == [1.6, 1.76, 1.44]
     assert figures["front_doors"] == 2 and figures["requests"] == 64
+
+
+def test_the_second_front_doors_output_goes_to_the_log_only_when_it_is_a_file(tmp_path):
+    assert serve._file_of(io.StringIO()) is None  # no descriptor: the child's own stderr
+    with open(tmp_path / "log", "w") as log:
+        assert serve._file_of(log) is log
