@@ -262,13 +262,11 @@ class RequestHandlers:
     def _route(self, request: Route) -> RouteDecision:
         # A member in quarantine takes no requests: its own cache may hold the poison.
         loads = {w: n for w, n in request.loads.items() if not self.quarantine.holds(w)}
-        prompt = request.tokens
-        length = len(prompt) // 4 if isinstance(prompt, bytes | bytearray) else len(prompt)
         return self.front_doors.route(
             request.door,
             loads,
             request.pending,
-            length,
+            len(request.tokens) // 4,  # decoded: packed int32 bytes
             self._clock(),
             lambda weighed: self.index.route(
                 request.namespace,
