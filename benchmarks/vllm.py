@@ -120,6 +120,11 @@ class EngineProcess:
             request["cache_salt"] = cache_salt
         return self._ask(request)
 
+    def batch(self, requests: list[dict]) -> dict:
+        """`{"batch": [answer, ...], "preemptions": n}` of greedy requests run together
+        (each `{"prompt_token_ids", "max_tokens", "cache_salt"?}`)."""
+        return self._ask({"batch": requests})
+
     def reset_prefix_cache(self) -> None:
         self._ask({"reset_prefix_cache": True})
 
@@ -205,7 +210,9 @@ def kvmesh_engine(
     """`workers.engines.vllm_engine` options of an engine with kvmesh's connector, joining
     with enrollment token `token`."""
     node = [] if node_ip_address is None else ["--node-ip-address", node_ip_address]
-    mesh = ["--ray-address", ray_address, "--kvmesh", engine_id, "--enroll-token", token]
+    # `--enroll-token=...`: a token may begin with "-" (urlsafe base64), which argparse
+    # takes for an option when it stands alone.
+    mesh = ["--ray-address", ray_address, "--kvmesh", engine_id, f"--enroll-token={token}"]
     return ["--model", str(folder), *mesh, *node]
 
 

@@ -101,8 +101,13 @@ class ServiceActor:
         }
 
     def credentials(self) -> dict[str, Any]:
-        """The mesh's keys and secret, for a front door that attaches (through Ray only)."""
-        return {"keys": self.keys.to_dict(), "auth": self.auth}
+        """The mesh's keys and secret, for a front door that attaches (through Ray only),
+        and the index's tokens per page."""
+        return {
+            "keys": self.keys.to_dict(),
+            "auth": self.auth,
+            "page_tokens": self.config.page_tokens,
+        }
 
     def enroll(self, worker_id: str, token: str | None = None) -> dict[str, Any]:
         """Make `worker_id` a worker of this mesh: an engine (a vLLM process with kvmesh's
@@ -137,13 +142,18 @@ class ServiceActor:
             raise ValueError("this mesh issues no enrollment tokens: no engine may enroll")
         if token is None:
             raise ValueError(f"engine {worker_id!r} came without an enrollment token")
-        spent = enroll_tokens.check(self._enroll_key, token)
+        spent, engines = enroll_tokens.check(self._enroll_key, token)
         engine = self.enrolled.get(worker_id)
         if engine is not None and not hmac.compare_digest(engine.token, spent):
             raise ValueError(f"engine {worker_id!r} enrolled with another token")
         if engine is None:
-            if any(hmac.compare_digest(e.token, spent) for e in self.enrolled.values()):
-                raise ValueError("this enrollment token was spent by another engine")
+            bound = sum(hmac.compare_digest(e.token, spent) for e in self.enrolled.values())
+            if bound >= engines:
+                raise ValueError(
+                    "this enrollment token was spent by another engine"
+                    if engines == 1
+                    else f"this enrollment token's {engines} engines have all enrolled"
+                )
             if len(self.enrolled) >= MAX_ENROLLED:
                 raise ValueError(f"the mesh already holds {MAX_ENROLLED} engines")
             engine = Enrolled(KeyPair.generate(), spent)

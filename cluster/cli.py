@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "a worker's batches with same-batch prefix sharing, without it, and one by one",
     "serve": "routing under load: kvmesh's against the baselines, with and without the mesh",
     "vllm": "vLLM engines sharing a prefix through kvmesh's connector, against recomputing it",
+    "ray-serve": "a Ray Serve LLM app: kvmesh's router and connector against Ray Serve's routers",
     "compaction": "quality against memory freed for StreamingLLM, H2O and SnapKV on real prose",
     "tiers": "the disk tier: TTFT from shared memory, from disk and cold; a restarted worker",
 }
@@ -30,7 +31,7 @@ BENCH_OPTIONS = ("repeats", "workload", "arrivals", "front_doors")
 
 def _bench_runner(name: str) -> Callable[[], dict]:
     # Imported on demand: each benchmark pulls in only what it measures.
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
     return module.run
 
 
@@ -99,7 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_enroll_token(args: argparse.Namespace) -> int:
     from cluster import launch
 
-    for token in launch.enrollment_tokens(args.count):
+    for token in launch.enrollment_tokens(args.count, args.engines):
         print(token)
     return 0
 
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="issue one-time tokens for vLLM engines to join the mesh `kvmesh up` started here",
     )
     enroll.add_argument("--count", type=int, default=1, help="how many (default 1), one a line")
+    enroll.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engines each token enrolls (default 1; a Ray Serve deployment's replicas share one)",
+    )
     enroll.set_defaults(func=cmd_enroll_token)
     down = commands.add_parser("down", help="stop what `kvmesh up` started")
     down.add_argument("--address", help=address_help)

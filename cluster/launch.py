@@ -110,14 +110,17 @@ def _write_enroll_key(key: bytes) -> None:
     scratch.replace(path)
 
 
-def enrollment_tokens(count: int = 1) -> list[str]:
-    """`count` new one-time enrollment tokens of the mesh `up` started on this machine.
+def enrollment_tokens(count: int = 1, engines: int = 1) -> list[str]:
+    """`count` new enrollment tokens of the mesh `up` started on this machine, each for
+    `engines` engines (a deployment's replicas share one).
 
     Raises:
-        LaunchError: no mesh is up here (no key), or `count` is not positive.
+        LaunchError: no mesh is up here (no key), or `count` or `engines` out of range.
     """
     if count < 1:
         raise LaunchError(f"count must be at least 1, got {count}")
+    if not 1 <= engines <= enroll_tokens.MAX_ENGINES:
+        raise LaunchError(f"engines must be 1 to {enroll_tokens.MAX_ENGINES}, got {engines}")
     path = state_dir() / ENROLL_KEY_NAME
     try:
         key = bytes.fromhex(path.read_text().strip())
@@ -127,7 +130,7 @@ def enrollment_tokens(count: int = 1) -> list[str]:
         ) from None
     except (OSError, ValueError) as exc:
         raise LaunchError(f"{path} cannot be read ({exc})") from exc
-    return [enroll_tokens.issue(key) for _ in range(count)]
+    return [enroll_tokens.issue(key, engines) for _ in range(count)]
 
 
 @contextlib.contextmanager

@@ -458,8 +458,8 @@ class Mesh:
         if failed:
             raise MeshError(f"the index is not up to date with {', '.join(failed)}")
 
-    def enrollment_token(self) -> str:
-        """A new one-time token for one vLLM engine to join this mesh (`join_mesh`).
+    def enrollment_token(self, engines: int = 1) -> str:
+        """A new token for `engines` vLLM engines (replicas share one) to join this mesh.
 
         Raises:
             MeshError: this front door attached to a mesh started elsewhere: tokens come
@@ -470,7 +470,7 @@ class Mesh:
                 "only the process that started the mesh issues enrollment tokens here; "
                 "run `kvmesh enroll-token` where `kvmesh up` ran"
             )
-        return enroll_tokens.issue(self.enroll_key)
+        return enroll_tokens.issue(self.enroll_key, engines)
 
     def live_workers(self) -> list[str]:
         """The workers not known to be dead, by id."""

@@ -20,7 +20,7 @@ import importlib, json, os, pkgutil, sys
 def load(package):
     top = importlib.import_module(package)
     for info in pkgutil.walk_packages(getattr(top, "__path__", []), top.__name__ + "."):
-        if not info.name.endswith("vllm_connector"):  # needs vLLM (its own venv)
+        if not info.name.endswith(("vllm_connector", "ray_serve")):  # vLLM: its own venv
             importlib.import_module(info.name)
     return sorted(sys.modules)
 

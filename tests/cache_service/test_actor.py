@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
@@ -94,6 +95,28 @@ def _restarted(first_epoch: int) -> dict:
             pass
         assert time.monotonic() < deadline, "service actor did not restart"
         time.sleep(0.2)
+
+
+def test_a_token_for_n_engines_enrolls_n_and_no_more(service):
+    token = enroll_tokens.issue(ENROLL_KEY, engines=2)
+    first = ray.get(service.enroll.remote("serve-r1", token))
+    second = ray.get(service.enroll.remote("serve-r2", token))
+    assert first["keypair"] != second["keypair"]  # two engines, two identities
+    # Each enrolls again with it (its other processes, a restart) as itself.
+    assert ray.get(service.enroll.remote("serve-r1", token))["keypair"] == first["keypair"]
+    with pytest.raises(ray.exceptions.RayTaskError, match="2 engines have all enrolled"):
+        ray.get(service.enroll.remote("serve-r3", token))
+    # The count is under the HMAC: a token rewritten to say more engines is not the mesh's.
+    raw = bytearray(base64.urlsafe_b64decode(token))
+    raw[16:20] = (1000).to_bytes(4, "big")
+    forged = base64.urlsafe_b64encode(bytes(raw)).decode()
+    with pytest.raises(ray.exceptions.RayTaskError, match="not issued for this mesh"):
+        ray.get(service.enroll.remote("serve-r3", forged))
+    # The refusals changed nothing: the two engines enroll as before, a third still not.
+    assert ray.get(service.enroll.remote("serve-r2", token))["keypair"] == second["keypair"]
+    with pytest.raises(ray.exceptions.RayTaskError, match="all enrolled"):
+        ray.get(service.enroll.remote("serve-r4", token))
+    ray.get(service.check_integrity.remote())
 
 
 def test_an_enrolled_engine_is_admitted_again_after_a_restart(service):

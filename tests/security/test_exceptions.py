@@ -86,7 +86,7 @@ def test_an_exception_pickles_with_its_message_and_fields(error, fields):
 
 
 # Modules that import an optional extra, read only where it is installed (the vLLM venv).
-NEEDS_EXTRA = {"workers.engines.vllm_connector": "vllm"}
+NEEDS_EXTRA = {"workers.engines.vllm_connector": "vllm", "workers.engines.ray_serve": "vllm"}
 
 
 def public_exceptions() -> set[type]:

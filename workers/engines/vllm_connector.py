@@ -64,6 +64,7 @@ from workers.engines.kv_layouts import (
     layer_views,
     layout_of_shape_fn,
 )
+from workers.engines.lookups import Lookups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,6 +109,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        refuse_unsupported(vllm_config, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = vllm_config.cache_config.block_size
         token = extra.get("enroll_token")
@@ -129,9 +131,14 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._layers: list[LayerKV] = []
         self._load_errors: set[int] = set()
         self._unfilled: dict[str, int] = {}  # req -> its first block left unloaded, this step
+        self.lookups: Lookups | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.index = EngineIndex(self.enrollment, self.block_size)
+            self.lookups = Lookups(
+                self.index.lookup, (0, (), ()), f"kvmesh-lookups-{self.engine_id}"
+            )
         self._pending: dict[str, tuple[int, tuple, tuple, int]] = {}  # req -> its hit
+        self._loads: dict[str, LoadSpec] = {}  # req -> its load, once vLLM gave it blocks
         self._tracked: dict[str, _Tracked] = {}
         self._new_hits: dict[str, tuple[int, int]] = {}  # req -> (local, external) tokens
         self._namespaces: dict[str, Any] = {}  # req -> its namespace, until scheduled
@@ -223,6 +230,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.lookups is not None:
+            self.lookups.close()
+            self.lookups = None
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -232,16 +242,23 @@ class KvmeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.index is not None
+        assert self.lookups is not None
         prompt = tuple(request.prompt_token_ids or ())
         # vLLM computes at least the prompt's last token: hits end a block before it.
         limit = (len(prompt) - 1) // self.block_size
         namespace = self._namespace(request)
         self._namespaces[request.request_id] = namespace
         self._new_hits[request.request_id] = (num_computed_tokens, 0)
+        self._pending.pop(request.request_id, None)
         if limit * self.block_size <= num_computed_tokens:
+            self.lookups.forget(request.request_id)
             return 0, False
-        blocks, spans, peers = self.index.lookup(namespace, prompt, limit)
+        # Never a wait of the scheduler's on the service: "not yet" (None) while the
+        # lookup runs, and vLLM asks again at its next step (see `lookups`).
+        found = self.lookups.ask(request.request_id, namespace, prompt, limit)
+        if found is None:
+            return None, False
+        blocks, spans, peers = found
         hit = blocks * self.block_size
         if hit <= num_computed_tokens:
             return 0, False
@@ -252,11 +269,29 @@ class KvmeshConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens == 0:
-            self._pending.pop(request.request_id, None)
+        """Turn the request's hit into a load into the blocks vLLM just gave it: a new
+        request's, and as well a request resumed after a preemption (vLLM freed its blocks
+        and asked again: its new blocks are filled by this load or computed, never left
+        as they were)."""
+        hit = self._pending.pop(request.request_id, None)
+        if hit is None or num_external_tokens == 0:
+            return
+        _, spans, peers, computed = hit
+        end = (computed + num_external_tokens) // self.block_size
+        (block_ids,) = blocks.get_block_ids()
+        self._loads[request.request_id] = LoadSpec(
+            request.request_id,
+            self._namespaces[request.request_id],
+            tuple(request.prompt_token_ids or ())[: end * self.block_size],
+            computed // self.block_size,
+            tuple(block_ids[:end]),
+            spans,
+            peers,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvmeshConnectorMetadata()
+        meta = KvmeshConnectorMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             prompt = tuple(new.prompt_token_ids or ())
             namespace = self._namespaces.pop(new.req_id, None)
@@ -264,25 +299,13 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue  # not seen by get_num_new_matched_tokens: not ours to follow
             tracked = _Tracked(namespace, prompt, list(new.block_ids[0]))
             self._tracked[new.req_id] = tracked
-            hit = self._pending.pop(new.req_id, None)
             local, external = self._new_hits.pop(new.req_id, (new.num_computed_tokens, 0))
-            if hit is not None:
-                blocks, spans, peers, computed = hit
-                meta.loads.append(
-                    LoadSpec(
-                        new.req_id,
-                        namespace,
-                        prompt[: blocks * self.block_size],
-                        computed // self.block_size,
-                        tuple(tracked.block_ids[:blocks]),
-                        spans,
-                        peers,
-                    )
-                )
             meta.admitted.append((new.req_id, namespace.salt, local, external, len(prompt)))
             self._save_done(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                self._namespaces.pop(req_id, None)  # asked again: its load is in _loads
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
@@ -299,6 +322,9 @@ class KvmeshConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(request.request_id)
         self._new_hits.pop(request.request_id, None)
         self._namespaces.pop(request.request_id, None)
         return False, None
@@ -334,6 +360,43 @@ class KvmeshConnector(KVConnectorBase_V1):
             self.enrollment.secret,
             getattr(request, "cache_salt", None),
             "" if lora is None else lora.lora_name,
+        )
+
+
+def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Stop the engine at its start when it runs in a way the connector would serve
+    wrong KV in, or fail requests in.
+
+    Raises:
+        ValueError: tensor, pipeline or data parallelism (each rank holds a slice of the
+            KV, or a scheduler of its own, under one engine id); more than one KV-cache
+            group (sliding-window or hybrid models: the connector moves one group's
+            blocks); a `kv_load_failure_policy` other than "recompute" (a copy that fails
+            validation must be recomputed, not fail its request).
+    """
+    parallel = vllm_config.parallel_config
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            raise ValueError(
+                f"kvmesh's connector serves one engine per rank set of 1: {name}={size} is "
+                "not supported (each rank's KV slice would be published under one engine "
+                "id); run replicas of one rank each, e.g. Ray Serve replicas"
+            )
+    groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    if groups is not None and len(groups) != 1:
+        specs = sorted({type(group.kv_cache_spec).__name__ for group in groups})
+        raise ValueError(
+            f"the model has {len(groups)} KV-cache groups ({', '.join(specs)}): kvmesh's "
+            "connector moves the blocks of one (models with sliding-window or hybrid "
+            "layers are not supported)"
+        )
+    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        raise ValueError(
+            f'kv_load_failure_policy is "{policy}": kvmesh\'s connector needs "recompute" '
+            "in the kv_transfer_config (a page that fails validation is recomputed, "
+            "never served; vLLM's default fails the request instead)"
         )
 
 

@@ -8,7 +8,9 @@ Each line on stdin is a request, `{"prompt_token_ids": [...], "max_tokens": n,
 "cache_salt": s}` (cache_salt optional); each line on stdout its answer,
 `{"token_ids": [...], "num_cached_tokens": n, "seconds": s}` (`seconds`: the call's wall
 time; with `max_tokens: 1` it is the time to first token); `{"reset_prefix_cache": true}`
-empties vLLM's own prefix cache. The first line out is
+empties vLLM's own prefix cache; `{"batch": [request, ...]}` runs its requests together
+and answers `{"batch": [answer, ...], "preemptions": n}` (n: the engine's preemptions so
+far). The first line out is
 `{"ready": true}` once the engine serves. Greedy decoding, always.
 """
 
@@ -58,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--example-connector", metavar="DIR", help="vLLM's ExampleConnector")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--num-gpu-blocks", type=int, help="vLLM's KV blocks (default: from its KV space)"
+    )
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM takes 19 by default
     # The engine core in this process, not in two more of its own: this driver sends one
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import LLM
 
     llm = LLM(
         model=args.model,
@@ -79,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=True,
         max_model_len=args.max_model_len,
         kv_transfer_config=kv_transfer_config(args),
-        enable_prefix_caching=True,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_gpu_blocks_override=args.num_gpu_blocks,
+        disable_log_stats=False,  # the preemption count a batch answers with
     )
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -89,24 +99,49 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(line)
         if request.get("reset_prefix_cache"):
             # vLLM's own cache forgets: the next hit can only come through the connector.
-            out.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
-            out.flush()
-            continue
+            answer = {"reset": bool(llm.reset_prefix_cache())}
+        elif "batch" in request:
+            answer = {"batch": generate(llm, request["batch"]), "preemptions": preemptions(llm)}
+        else:
+            (answer,) = generate(llm, [request])
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
+
+
+def generate(llm, requests: list[dict]) -> list[dict]:
+    """Greedy answers to `requests`, run together (one batch, as vLLM schedules it)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts, params = [], []
+    for request in requests:
         prompt = TokensPrompt(prompt_token_ids=request["prompt_token_ids"])
         if request.get("cache_salt"):
             prompt["cache_salt"] = request["cache_salt"]
-        params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1))
-        start = time.perf_counter()
-        (result,) = llm.generate(prompt, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        answer = {
+        prompts.append(prompt)
+        params.append(SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1)))
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return [
+        {
             "token_ids": list(result.outputs[0].token_ids),
             "num_cached_tokens": result.num_cached_tokens,
             "seconds": seconds,
         }
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-    return 0
+        for result in results
+    ]
+
+
+def preemptions(llm) -> int:
+    """The engine's preemptions so far (vLLM's `vllm:num_preemptions` counter)."""
+    return int(
+        sum(
+            getattr(metric, "value", 0)
+            for metric in llm.get_metrics()
+            if metric.name == "vllm:num_preemptions"
+        )
+    )
 
 
 if __name__ == "__main__":  # the engine spawns processes: nothing runs on import

@@ -50,13 +50,19 @@ def mesh(ray_local):
 
 @pytest.fixture(scope="module")
 def started(mesh, tmp_path_factory):
-    """Engines A and B with kvmesh's connector, and N without a connector."""
+    """Engines A, B and P with kvmesh's connector, and N without a connector."""
     gcs, folder = ray.get_runtime_context().gcs_address, model_dir()
     engines = start_engines(
         {
             "a": kvmesh_engine(folder, gcs, "vllm-a", mesh.enrollment_token()),
             "b": kvmesh_engine(folder, gcs, "vllm-b", mesh.enrollment_token()),
             "n": ["--model", str(folder)],
+            # P preempts: a KV space of 12 blocks, and no prefix cache of vLLM's own to
+            # hide a resumed request's blocks (what it holds again comes from kvmesh).
+            "p": [
+                *kvmesh_engine(folder, gcs, "vllm-p", mesh.enrollment_token()),
+                *("--num-gpu-blocks", "12", "--max-model-len", "1024", "--no-prefix-caching"),
+            ],
         },
         tmp_path_factory.mktemp("vllm-logs"),
     )
@@ -144,7 +150,8 @@ def test_engine_b_gets_a_hit_from_a_with_the_same_greedy_tokens(mesh, started, p
 
     status = mesh.stats()  # what `kvmesh status` shows
     engines = status["engines"]
-    assert sorted(engines) == ["vllm-a", "vllm-b"]  # the launcher's w0 is a worker, not one
+    # the launcher's w0 is a worker, not an engine
+    assert sorted(engines) == ["vllm-a", "vllm-b", "vllm-p"]
     assert engines["vllm-a"]["live"] and engines["vllm-b"]["live"]
     assert engines["vllm-a"]["pages"] >= 512 // 16
     assert engines["vllm-b"]["hit_tokens"] >= 512  # the index counted B's hit
@@ -202,3 +209,22 @@ def test_a_forged_entry_is_refused_and_recomputed(mesh, engines, prompts):
         count_mismatches(a.generate(again, 10, "tenant-4")["token_ids"], reference["token_ids"])
         == 0
     )
+
+
+def test_a_request_preempted_after_a_hit_gets_its_load_again_when_it_resumes(
+    mesh, started, prompts
+):
+    a, p, plain = started["a"], started["p"], started["n"]
+    salt, prefix = "tenant-preempt", prompts[5][:512]
+    pages = mesh.stats()["service"]["workers"]["vllm-a"]["pages"]
+    a.generate(prompts[5], 1, salt)
+    wait_published(mesh, "vllm-a", pages + 512 // 16)
+    # Three prompts of five blocks each, growing to six, in a KV space of 12: vLLM
+    # preempts, and a preempted request asks the connector again when it resumes.
+    batch = [prefix + prompts[i][512:] for i in range(3)]
+    answer = p.batch([{"prompt_token_ids": t, "max_tokens": 72, "cache_salt": salt} for t in batch])
+    assert answer["preemptions"] > 0
+    assert [got["num_cached_tokens"] for got in answer["batch"]][:2] == [512, 512]
+    for tokens, got in zip(batch, answer["batch"], strict=True):
+        reference = plain.generate(tokens, 72, "reference-preempt")
+        assert count_mismatches(got["token_ids"], reference["token_ids"]) == 0

