@@ -124,17 +124,17 @@ class Cluster:
         serve.delete(name)
 
     def complete(
-        self, app: str, tokens: list[int], max_tokens: int, salt: str | None = None
+        self, app: str, prompt: list[int] | str, max_tokens: int, salt: str | None = None
     ) -> dict[str, Any]:
-        """One greedy completion through app `app`, streamed: `{"text", "ttft_s",
-        "seconds", "prompt_tokens", "cached_tokens"}`.
+        """One greedy completion of `prompt` (token ids or text) through app `app`,
+        streamed: `{"text", "ttft_s", "seconds", "prompt_tokens", "cached_tokens"}`.
 
         Raises:
             RuntimeError: the app answered with an error, or not before the deadline.
         """
         body: dict[str, Any] = {
             "model": MODEL,
-            "prompt": tokens,
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -166,7 +166,7 @@ class Cluster:
             "text": "".join(text),
             "ttft_s": ttft if ttft is not None else time.perf_counter() - start,
             "seconds": time.perf_counter() - start,
-            "prompt_tokens": usage.get("prompt_tokens", len(tokens)),
+            "prompt_tokens": usage.get("prompt_tokens", 0),
             "cached_tokens": details.get("cached_tokens") or 0,
         }
 

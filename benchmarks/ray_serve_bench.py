@@ -13,9 +13,11 @@ kvmesh's) and the router is new:
   attempted; where it does not deploy here, `kv_aware_error` says why.
 
 The workload is `kvmesh bench serve`'s trace (the Mooncake conversation trace scaled
-down: 37 conversations, 64 requests; a conversation's turns one after the other): its
-conversations arrive spread in time, ARRIVAL_GAP_S apart, each client sending its turns
-as the previous one ends. Figures per policy, client-side, medians over the repeats:
+down: 37 conversations, 64 requests; a conversation's turns one after the other), each
+prompt sent as text (its tokens decoded: PrefixCacheAffinityRouter reads text only, and
+divides by zero on a prompt of token ids); its conversations arrive spread in time,
+ARRIVAL_GAP_S apart, each client sending its turns as the previous one ends. Figures
+per policy, client-side, medians over the repeats:
 `requests_per_s_<policy>`, `ttft_p50_<policy>_s`, `ttft_p99_<policy>_s`,
 `prefix_hit_rate_<policy>` (vLLM's cached prompt tokens, its own cache's and the
 connector's, over all prompt tokens); `mismatches`: outputs (greedy) that differ from the
@@ -50,6 +52,7 @@ def run_trace(cluster: Cluster, app: str, salt: str) -> dict[str, Any]:
     from benchmarks.trace_scale import SCALED
 
     jobs = trace_jobs(SCALED)
+    texts = prompt_texts(jobs)
     results: dict[tuple[int, int], dict] = {}
     errors: list[str] = []
     start = time.perf_counter()
@@ -58,7 +61,7 @@ def run_trace(cluster: Cluster, app: str, salt: str) -> dict[str, Any]:
         time.sleep(max(0.0, start + i * ARRIVAL_GAP_S - time.perf_counter()))
         for j, turn in enumerate(jobs[i].turns):
             try:
-                results[(i, j)] = cluster.complete(app, list(turn.tokens), turn.new_tokens, salt)
+                results[(i, j)] = cluster.complete(app, texts[i][j], turn.new_tokens, salt)
             except RuntimeError as exc:
                 errors.append(str(exc))
                 return
@@ -80,6 +83,18 @@ def run_trace(cluster: Cluster, app: str, salt: str) -> dict[str, Any]:
         / sum(r["prompt_tokens"] for r in results.values()),
         "texts": {key: r["text"] for key, r in results.items()},
     }
+
+
+def prompt_texts(jobs: list) -> list[list[str]]:
+    """Each turn's prompt as text (its synthetic tokens decoded): what an OpenAI client
+    sends, and what PrefixCacheAffinityRouter matches on (it reads text only). Turns
+    that share a token prefix share a text prefix."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.vllm import model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    return [[tokenizer.decode(list(turn.tokens)) for turn in job.turns] for job in jobs]
 
 
 def bench(folder: str, repeats: int, log=sys.stderr) -> dict[str, Any]:
@@ -105,6 +120,10 @@ def bench(folder: str, repeats: int, log=sys.stderr) -> dict[str, Any]:
                     continue
                 try:
                     figures = run_trace(cluster, app, f"run-{repeat}-{policy}")
+                except RuntimeError as exc:  # requests that failed: said, not hidden
+                    failed[policy] = str(exc)[:2000]
+                    print(f"{policy} failed: {failed[policy]}", file=log)
+                    continue
                 finally:
                     cluster.delete(app)
                 runs[policy].append(figures)

@@ -74,12 +74,14 @@ class Lookups:
         """
         now = time.monotonic()
         asked = self._asked.get(key)
-        first = asked is None or asked.question != question
-        if first:
+        if asked is None or asked.question != question:
             asked = _Asked(question, now)
             self._asked[key] = asked
             self._queue.put((key, asked))
-        if asked.done.wait(self._wait_s if first else 0.0):
+        # Each ask waits a little (never more than wait_s): vLLM asks again at once when
+        # it has nothing else to run, and a loop that asked without waiting would keep the
+        # GIL from the thread that reads the service's answer.
+        if asked.done.wait(self._wait_s):
             del self._asked[key]
             return asked.answer
         if now - asked.at >= self._deadline_s:
