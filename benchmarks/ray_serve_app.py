@@ -29,11 +29,19 @@ ENGINE_KWARGS = {
     "enable_prefix_caching": True,
     "enable_prompt_tokens_details": True,  # usage.prompt_tokens_details.cached_tokens
 }
-# One CPU bundle a replica (Ray's logical CPUs: the driver starts Ray with enough), and
-# vLLM's CPU KV space in GiB (it takes 19 by default).
+# One CPU bundle a replica (Ray's logical CPUs: the driver starts Ray with enough); vLLM's
+# CPU KV space in GiB (it takes 19 by default); and each engine one OpenMP thread, left
+# to the OS to place: vLLM's automatic binding pins every replica's engine of a node to
+# the same first core (rank 0 of each), so two replicas would share one core of two.
 ON_CPU = {
     "placement_group_config": {"bundles": [{"CPU": 1}]},
-    "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    "runtime_env": {
+        "env_vars": {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+        }
+    },
 }
 ROUTERS = {
     "prefix_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",

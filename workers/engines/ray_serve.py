@@ -223,7 +223,6 @@ class KvmeshRouter(PowerOfTwoChoicesRequestRouter):
         self._mesh: _MeshView | None = None
         self._mesh_lock = threading.Lock()
         self._retry_at = 0.0
-        self._prompts: dict[str, int] = {}  # request -> its prompt tokens, once ranked
         self._inflight: dict[str, tuple[str, int, float]] = {}  # request -> (engine, tokens, at)
         self.decisions: Counter[str] = Counter()  # how requests were routed: a policy reason
         super().initialize_state(**kwargs)
@@ -245,20 +244,27 @@ class KvmeshRouter(PowerOfTwoChoicesRequestRouter):
         if chosen is None:  # no answer, or a worker Ray Serve did not offer
             self.decisions["fallback"] += 1
             return await super().choose_replicas(candidate_replicas, pending_request)
-        self._prompts[pending_request.metadata.internal_request_id] = tokens
+        # Counted in flight on the chosen engine from now: Ray Serve calls
+        # on_request_routed only for replicas that may reject (strict max_ongoing_requests,
+        # off for LLM deployments), and on_request_completed in every case.
+        self._count(pending_request.metadata.internal_request_id, engine, tokens)
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         request_id = pending_request.metadata.internal_request_id
-        tokens = self._prompts.pop(request_id, 0)
-        if len(self._inflight) >= MAX_INFLIGHT:
-            self._inflight.pop(next(iter(self._inflight)))
-        self._inflight[request_id] = (replica_engine_id(replica_id.unique_id), tokens, time.time())
+        counted = self._inflight.get(request_id)
+        if counted is not None:  # the replica that took it (a later rank, when full)
+            self._count(request_id, replica_engine_id(replica_id.unique_id), counted[1])
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._inflight.pop(internal_request_id, None)
-        self._prompts.pop(internal_request_id, None)
+
+    def _count(self, request_id: str, engine: str, tokens: int) -> None:
+        self._inflight.pop(request_id, None)
+        if len(self._inflight) >= MAX_INFLIGHT:
+            self._inflight.pop(next(iter(self._inflight)))  # the oldest
+        self._inflight[request_id] = (engine, tokens, time.time())
 
     def check_integrity(self) -> None:
         """In-flight counts are bounded, and each names a replica's engine."""

@@ -15,7 +15,8 @@ default $KVMESH_ENROLL_TOKEN), `engine_id` (its worker id in the mesh; default
 default 64), `model_name` (the name engines of one model share under; default vLLM's
 served model name),
 `node_ip_address` (this machine's Ray node, where several Ray nodes share one machine;
-default: Ray's choice).
+default: Ray's choice), `lookup_wait_ms` (how long vLLM's scheduler waits on a lookup
+before the connector answers "not yet"; default 3).
 
 vLLM makes one connector in its scheduler process and one in each worker process:
 
@@ -64,6 +65,7 @@ from workers.engines.kv_layouts import (
     layer_views,
     layout_of_shape_fn,
 )
+from workers.engines.lookups import WAIT_S as LOOKUP_WAIT_S
 from workers.engines.lookups import Lookups
 
 if TYPE_CHECKING:
@@ -135,7 +137,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.index = EngineIndex(self.enrollment, self.block_size)
             self.lookups = Lookups(
-                self.index.lookup, (0, (), ()), f"kvmesh-lookups-{self.engine_id}"
+                self.index.lookup,
+                (0, (), ()),
+                f"kvmesh-lookups-{self.engine_id}",
+                wait_s=float(extra.get("lookup_wait_ms", 1000 * LOOKUP_WAIT_S)) / 1000,
             )
         self._pending: dict[str, tuple[int, tuple, tuple, int]] = {}  # req -> its hit
         self._loads: dict[str, LoadSpec] = {}  # req -> its load, once vLLM gave it blocks
