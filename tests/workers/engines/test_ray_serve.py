@@ -69,3 +69,57 @@ def test_greedy_outputs_are_vllms_without_the_connector(figures):
 def test_with_the_service_stopped_the_router_still_routes(figures):
     assert figures["without_service_served"] == 2
     assert figures["without_service_mismatches"] == 0
+
+
+ROUTER_STATE = r"""
+import json, time
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+import workers.engines.ray_serve as rs
+from workers.engines.ray_serve import KvmeshRouter, replica_engine_id
+
+def new_router():
+    return KvmeshRouter(
+        deployment_id=DeploymentID(name="d"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+
+router = new_router()
+router.initialize_state(model_name="smollm2", tokenizer="unused")
+said = {}
+try:
+    new_router().initialize_state()
+except ValueError as exc:
+    said["no_kwargs"] = str(exc)
+a, b = replica_engine_id("r1"), replica_engine_id("r2")
+router._count("q1", a, 600)
+router._count("q2", a, 100)
+router._count("q3", b, 50)
+said["loads"] = router._loads({a: None, b: None, "serve-r9": None})
+router.on_request_completed(ReplicaID("r1", DeploymentID(name="d")), "q1")
+said["after_completion"] = router._loads({a: None, b: None})
+router._inflight["q3"] = (b, 50, time.time() - rs.INFLIGHT_TTL_S - 1)  # never completed
+said["after_ttl"] = router._loads({a: None, b: None})
+rs.MAX_INFLIGHT = 3
+for i in range(10):
+    router._count(f"burst{i}", b, 1)
+said["bounded"] = len(router._inflight)
+router.check_integrity()
+print("ROUTER " + json.dumps(said))
+"""
+
+
+def test_the_routers_in_flight_counts_are_bounded_and_forget_what_completed():
+    run = subprocess.run(
+        [str(vllm_python()), "-c", ROUTER_STATE],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ROUTER ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    said = json.loads(lines[-1].removeprefix("ROUTER "))
+    assert "model_name and tokenizer" in said["no_kwargs"]
+    assert said["loads"] == {"serve-r1": 700.0, "serve-r2": 50.0, "serve-r9": 0.0}
+    assert said["after_completion"] == {"serve-r1": 100.0, "serve-r2": 50.0}
+    assert said["after_ttl"] == {"serve-r1": 100.0, "serve-r2": 0.0}
+    assert said["bounded"] == 3
