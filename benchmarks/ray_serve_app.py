@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -219,8 +220,27 @@ class Cluster:
         from ray import serve
 
         serve.shutdown()
+        self._reclaim_engine_stores()
         self.mesh.shutdown()
         ray.shutdown()
+
+    def _reclaim_engine_stores(self, timeout_s: float = 60.0) -> None:
+        """Wait for the replicas' engine processes to exit, and unlink their stores. A
+        replica Serve stops may be killed before its connector removes its store; in a
+        running mesh the members' heartbeats reclaim such segments (a dead owner's), but
+        here the mesh stops next, so its shutdown must find the owners gone."""
+        from workers.store.segment_names import SHM_DIR, reclaim_dead_segments
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reclaim_dead_segments()
+            left = [n for n in os.listdir(SHM_DIR) if n.startswith("kvmesh-") and "-serve_" in n]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                print(f"engine stores still held after {timeout_s:.0f} s: {left}", file=self.log)
+                return
+            time.sleep(0.5)
 
     def _wait_running(self, name: str, start: float) -> None:
         from ray import serve
