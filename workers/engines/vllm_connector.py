@@ -384,8 +384,8 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
         size = getattr(parallel, name, 1)
         if size != 1:
             raise ValueError(
-                f"kvmesh's connector serves one engine per rank set of 1: {name}={size} is "
-                "not supported (each rank's KV slice would be published under one engine "
+                f"kvmesh's connector runs on engines of one rank: {name}={size} is not "
+                "supported (each rank's KV slice would be published under one engine "
                 "id); run replicas of one rank each, e.g. Ray Serve replicas"
             )
     groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups

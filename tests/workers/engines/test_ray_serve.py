@@ -19,7 +19,9 @@ PREFIX = 512  # tokens the prompts share: four of vLLM's blocks
 
 @pytest.fixture(scope="module")
 def figures():
-    command = [str(vllm_python()), "-m", "benchmarks.ray_serve_app", "check"]
+    # Niced: the app (three vLLM engines, Serve, a Ray cluster) must not starve the tests
+    # that run beside it in the other test process (their Ray nodes have deadlines).
+    command = ["nice", "-n", "10", str(vllm_python()), "-m", "benchmarks.ray_serve_app", "check"]
     run = subprocess.run(
         [*command, "--model", str(model_dir())],
         cwd=REPO,
