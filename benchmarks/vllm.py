@@ -55,6 +55,26 @@ def vllm_python(log=sys.stderr) -> Path:
     return python
 
 
+def run_in_vllm_venv(code: str, marker: str, *args: str, timeout_s: float = 300.0) -> dict:
+    """Run Python `code` in the vLLM venv and return the JSON its last stdout line starting
+    with `marker` carries.
+
+    Raises:
+        RuntimeError: it failed, or printed no such line (its stderr's tail says why).
+    """
+    run = subprocess.run(
+        [str(vllm_python()), "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith(marker + " ")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"exit code {run.returncode}: {run.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix(marker + " "))
+
+
 def model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder: the main venv's dequantised model cache."""
     from workers.serving.model_loader import default_cache_dir, load_smollm2

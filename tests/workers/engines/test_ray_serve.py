@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from benchmarks.vllm import REPO, model_dir, vllm_python
+from benchmarks.vllm import REPO, model_dir, run_in_vllm_venv, vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -110,16 +110,7 @@ print("ROUTER " + json.dumps(said))
 
 
 def test_the_routers_in_flight_counts_are_bounded_and_forget_what_completed():
-    run = subprocess.run(
-        [str(vllm_python()), "-c", ROUTER_STATE],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in run.stdout.splitlines() if line.startswith("ROUTER ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    said = json.loads(lines[-1].removeprefix("ROUTER "))
+    said = run_in_vllm_venv(ROUTER_STATE, "ROUTER")
     assert "model_name and tokenizer" in said["no_kwargs"]
     assert said["loads"] == {"serve-r1": 700.0, "serve-r2": 50.0, "serve-r9": 0.0}
     assert said["after_completion"] == {"serve-r1": 100.0, "serve-r2": 50.0}

@@ -8,12 +8,9 @@ in the vLLM venv; each refusal comes before the connector joins any mesh."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 
-from benchmarks.vllm import model_dir, vllm_python
+from benchmarks.vllm import model_dir, run_in_vllm_venv
 
 pytestmark = pytest.mark.slow
 
@@ -71,15 +68,7 @@ print("REFUSALS " + json.dumps(said))
 
 
 def test_unsupported_deployments_are_refused_at_start_with_what_was_wrong():
-    run = subprocess.run(
-        [str(vllm_python()), "-c", CHECK, str(model_dir())],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in run.stdout.splitlines() if line.startswith("REFUSALS ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    said = json.loads(lines[-1].removeprefix("REFUSALS "))
+    said = run_in_vllm_venv(CHECK, "REFUSALS", str(model_dir()))
     assert said["fail_policy"].startswith('ValueError: kv_load_failure_policy is "fail"')
     assert '"recompute"' in said["fail_policy"]
     assert said["two_groups"].startswith("ValueError: the model has 2 KV-cache groups")
