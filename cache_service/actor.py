@@ -81,6 +81,9 @@ class ServiceActor:
         )
         self.server.start()
         self.started = time.time()
+        # Where it serves now, in Ray's key-value store: engines, which leave Ray once
+        # enrolled, read it there without a Ray driver (`workers.engines.mesh_directory`).
+        _keep(ENDPOINT_KEY, msgpack.packb(self.endpoint()))
         # Engines that joined since (`enroll`, each with a token), kept in Ray's key-value
         # store (the GCS, which holds the mesh's keys as this actor's arguments already):
         # a restarted actor admits them again, so a running engine reconnects like any
@@ -210,6 +213,11 @@ class ServiceActor:
 
 
 _ENROLLED_KEY = b"kvmesh-enrolled-engines"
+# What an engine's page server reads (through the GCS, without Ray): the enrolled engines'
+# public keys alone, kept beside the full records (which hold their secret keys).
+ENROLLED_PUBLICS_KEY = b"kvmesh-enrolled-publics"
+ENDPOINT_KEY = b"kvmesh-service-endpoint"  # the service's `endpoint()`, at each (re)start
+_QUARANTINE_KEY = b"kvmesh-quarantine"
 
 
 def _enrolled() -> dict[str, Enrolled]:
@@ -225,28 +233,37 @@ def _enrolled() -> dict[str, Enrolled]:
 
 
 def enrolled_publics() -> frozenset[bytes]:
-    """The public keys of the engines enrolled in the mesh of this Ray cluster: who may
-    read an engine's pages (engines of one model share them across the mesh)."""
-    return frozenset(engine.keypair.public for engine in _enrolled().values())
+    """The public keys of the engines enrolled in the mesh of this Ray cluster (asked
+    through this process's Ray connection): who may read an engine's pages."""
+    return publics_from(_kept(ENROLLED_PUBLICS_KEY))
+
+
+def publics_from(raw: bytes | None) -> frozenset[bytes]:
+    """The enrolled engines' public keys, from what ENROLLED_PUBLICS_KEY holds."""
+    return frozenset() if raw is None else frozenset(msgpack.unpackb(raw))
 
 
 def _keep_enrolled(enrolled: dict[str, Enrolled]) -> None:
+    raw = msgpack.packb({worker_id: (*e.keypair, e.token) for worker_id, e in enrolled.items()})
+    _keep(_ENROLLED_KEY, raw)
+    _keep(ENROLLED_PUBLICS_KEY, msgpack.packb(sorted(e.keypair.public for e in enrolled.values())))
+
+
+def _forget_mesh() -> None:
+    """Drop what an earlier mesh kept in this Ray cluster."""
     from ray.experimental import internal_kv
 
     if ray.is_initialized() and internal_kv._internal_kv_initialized():
-        raw = msgpack.packb({worker_id: (*e.keypair, e.token) for worker_id, e in enrolled.items()})
-        internal_kv._internal_kv_put(_ENROLLED_KEY, raw, overwrite=True, namespace=RAY_NAMESPACE)
+        for key in (_ENROLLED_KEY, ENROLLED_PUBLICS_KEY, ENDPOINT_KEY, _QUARANTINE_KEY):
+            internal_kv._internal_kv_del(key, namespace=RAY_NAMESPACE)
 
 
-def _forget_enrolled() -> None:
+def _keep(key: bytes, raw: bytes) -> None:
+    """Keep `raw` under `key` in Ray's key-value store (nothing outside Ray)."""
     from ray.experimental import internal_kv
 
     if ray.is_initialized() and internal_kv._internal_kv_initialized():
-        internal_kv._internal_kv_del(_ENROLLED_KEY, namespace=RAY_NAMESPACE)
-        internal_kv._internal_kv_del(_QUARANTINE_KEY, namespace=RAY_NAMESPACE)
-
-
-_QUARANTINE_KEY = b"kvmesh-quarantine"
+        internal_kv._internal_kv_put(key, raw, overwrite=True, namespace=RAY_NAMESPACE)
 
 
 def _kept(key: bytes) -> bytes | None:
@@ -259,11 +276,7 @@ def _kept(key: bytes) -> bytes | None:
 
 
 def _keep_quarantine(quarantine: Quarantine) -> None:
-    from ray.experimental import internal_kv
-
-    if ray.is_initialized() and internal_kv._internal_kv_initialized():
-        raw = quarantine.saved()
-        internal_kv._internal_kv_put(_QUARANTINE_KEY, raw, overwrite=True, namespace=RAY_NAMESPACE)
+    _keep(_QUARANTINE_KEY, quarantine.saved())
 
 
 def resolve_host(host: str) -> str:
@@ -306,7 +319,7 @@ def start_service(
     try:
         get_service()
     except ValueError:
-        _forget_enrolled()  # a new mesh: engines of an earlier one in this cluster are strangers
+        _forget_mesh()  # a new mesh: engines of an earlier one in this cluster are strangers
     actor_cls = ray.remote(ServiceActor)
     handle = actor_cls.options(
         name=SERVICE_NAME,
@@ -340,4 +353,4 @@ def stop_service() -> None:
     except ValueError:
         return
     ray.kill(handle, no_restart=True)
-    _forget_enrolled()
+    _forget_mesh()

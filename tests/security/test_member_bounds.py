@@ -190,3 +190,45 @@ def test_squatters_without_tokens_take_no_engine_place(service):
     assert granted["keypair"] is not None
     assert len(enrolled_publics()) == before + 1
     ray.get(service.check_integrity.remote())
+
+
+# ---- an engine outside Ray once enrolled -----------------------------------------------
+
+JOIN = """
+import json, sys, ray
+from workers.engines.enrollment import join_mesh
+from workers.service.client import ServiceClient
+from cache_service.auth import KeyPair
+engine = join_mesh("vllm-joined", sys.argv[1], token=sys.argv[2])
+out = {"in_ray": ray.is_initialized(), "address": engine.endpoint().address}
+with ServiceClient(engine.endpoint, timeout_s=5.0, client_keys=engine.keypair) as client:
+    out["epoch"] = client.register("vllm-joined", engine.node_id).epoch
+out["admits_itself"] = engine.late_readers(engine.keypair.public)
+out["admits_a_stranger"] = engine.late_readers(KeyPair.generate().public)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_leaves_ray_once_enrolled_and_finds_the_service_without_it(service):
+    """vLLM processes kept as Ray drivers cost the cluster (`workers.engines.mesh_directory`):
+    an engine enrolls through Ray, leaves, and still reaches the service and knows who is
+    enrolled, from the GCS."""
+    import json
+    import subprocess
+    import sys
+
+    gcs = ray.get_runtime_context().gcs_address
+    reply = subprocess.run(
+        [sys.executable, "-c", JOIN, gcs, issue()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reply.returncode == 0, reply.stderr[-2000:]
+    out = json.loads(reply.stdout.strip().splitlines()[-1])
+    assert out["in_ray"] is False
+    assert out["address"] == ray.get(service.endpoint.remote())["address"]
+    assert out["epoch"] > 0  # its enrolled key, through the endpoint read from the GCS
+    assert out["admits_itself"] is True and out["admits_a_stranger"] is False
+    ray.get(service.check_integrity.remote())

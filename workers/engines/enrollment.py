@@ -3,11 +3,13 @@
 The engine joins the mesh's Ray cluster (a running `kvmesh up`) and asks the service actor
 to enroll it (`ServiceActor.enroll`) with an enrollment token the operator issued (`kvmesh
 up` prints one, `kvmesh enroll-token` more), which gives it a CurveZMQ key bound to its
-worker id and the mesh secret. It then registers like any worker (its store's shared-memory name,
-its node), heartbeats and publishes, so it shows in `kvmesh status`, the dashboard and
-the metrics. Its page server admits the keys of the mesh's enrolled engines (who else
-could hold a page of an engine's namespace), including those that enroll after it
-started (`cache_service.zap.LateKeys` over the enrolled keys Ray keeps).
+worker id and the mesh secret; then it leaves Ray (unless its process was in Ray before),
+and reads what it needs later, the service's endpoint and the enrolled engines' keys,
+from Ray's GCS without a driver (`workers.engines.mesh_directory`). It registers like any
+worker (its store's shared-memory name, its node), heartbeats and publishes, so it shows
+in `kvmesh status`, the dashboard and the metrics. Its page server admits the keys of the
+mesh's enrolled engines (who else could hold a page of an engine's namespace), including
+those that enroll after it started (`cache_service.zap.LateKeys`).
 
 The KV format (`StoreLayout.kv_format`: layers, heads, head dim, tokens per page, dtype)
 is part of the engine's namespace and of every page digest, so an engine's bfloat16 pages
@@ -26,8 +28,9 @@ from typing import NamedTuple
 from cache_service.auth import KeyPair, tenant_salt
 from cache_service.events import Namespace
 from cache_service.zap import LateKeys
+from workers.engines.mesh_directory import MeshDirectory
 from workers.member import Membership
-from workers.service.client import ServiceEndpoint, ray_resolver
+from workers.service.client import ServiceEndpoint
 from workers.transfer.page_wire import ENCRYPT_PAGES_DEFAULT
 
 DEFAULT_TENANT = "default"  # the salt of requests without a cache_salt
@@ -43,8 +46,8 @@ class Enrollment(NamedTuple):
     worker_id: str
     keypair: KeyPair | None  # None: the mesh runs without authentication
     secret: bytes
-    # Where the service listens: an address, or (joined through Ray) a resolver that asks
-    # the service actor, so a restarted service is found at its new port.
+    # Where the service listens: an address, or (joined through Ray) a resolver that reads
+    # it from Ray's GCS, so a restarted service is found at its new port.
     endpoint: ServiceEndpoint | Callable[[], ServiceEndpoint]
     node_id: str
     page_tokens: int  # the index's tokens per page
@@ -115,9 +118,10 @@ def join_mesh(
     """
     import ray
 
-    from cache_service.actor import RAY_NAMESPACE, enrolled_publics, get_service, resolve_host
+    from cache_service.actor import RAY_NAMESPACE, get_service, resolve_host
 
-    if not ray.is_initialized():
+    joined = not ray.is_initialized()  # a process in Ray already stays in it
+    if joined:
         ray.init(
             address=ray_address,
             namespace=RAY_NAMESPACE,
@@ -125,35 +129,44 @@ def join_mesh(
             logging_level=logging.WARNING,
             _node_ip_address=node_ip_address,
         )
-    _check_local_node(ray.util.get_node_ip_address())
-    token = token or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise RuntimeError(
-            f"engine {worker_id!r} has no enrollment token: set enroll_token in "
-            f"kv_connector_extra_config (or {TOKEN_ENV}) to one `kvmesh enroll-token` printed"
-        )
     try:
-        service = get_service()
-    except ValueError:
-        raise RuntimeError(
-            f"no kvmesh mesh runs in the Ray cluster at {ray_address!r}: start one with `kvmesh up`"
-        ) from None
-    try:
-        data = ray.get(service.enroll.remote(worker_id, token), timeout=30)
-    except ray.exceptions.RayTaskError as exc:
-        raise RuntimeError(f"the mesh refused engine {worker_id!r}: {exc.cause}") from None
-    pages = data.get("pages") or {}  # the launcher's page-server settings, if any
+        _check_local_node(ray.util.get_node_ip_address())
+        token = token or os.environ.get(TOKEN_ENV)
+        if not token:
+            raise RuntimeError(
+                f"engine {worker_id!r} has no enrollment token: set enroll_token in "
+                f"kv_connector_extra_config (or {TOKEN_ENV}) to one `kvmesh enroll-token` "
+                "printed"
+            )
+        try:
+            service = get_service()
+        except ValueError:
+            raise RuntimeError(
+                f"no kvmesh mesh runs in the Ray cluster at {ray_address!r}: start one with "
+                "`kvmesh up`"
+            ) from None
+        try:
+            data = ray.get(service.enroll.remote(worker_id, token), timeout=30)
+        except ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"the mesh refused engine {worker_id!r}: {exc.cause}") from None
+        pages = data.get("pages") or {}  # the launcher's page-server settings, if any
+        page_host = resolve_host(pages.get("host", "loopback"))
+        node_id = ray.get_runtime_context().get_node_id()
+        directory = MeshDirectory(ray.get_runtime_context().gcs_address)
+    finally:
+        if joined:
+            ray.shutdown()
     keypair = None if data["keypair"] is None else KeyPair(*data["keypair"])
     return Enrollment(
         worker_id,
         keypair,
         data["secret"],
-        ray_resolver(),
-        ray.get_runtime_context().get_node_id(),
+        directory.endpoint,
+        node_id,
         data["page_tokens"],
-        resolve_host(pages.get("host", "loopback")),
+        page_host,
         bool(pages.get("encrypt", ENCRYPT_PAGES_DEFAULT)),
-        None if keypair is None else LateKeys(enrolled_publics),
+        None if keypair is None else LateKeys(directory.enrolled_publics),
     )
 
 
