@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 BENCHMARKS: dict[str, str] = {
     "local": "the local prefix cache against an allocator that shares nothing",
     "lookup": "index lookups over ZMQ against a bare msgpack echo server",
+    "index": "the global index alone, on the Mooncake trace: queries and events per second",
     "copy": "page copies between workers against plain copies of the same bytes",
     "ttft": "time to first token with the real model: cold, local, remote, several holders",
     "chaos": "a shared-prefix workload kept correct while workers, service and traffic fail",
