@@ -9,11 +9,19 @@ EDITABLE_LOCK := .editable-install.lock
 
 .PHONY: install vllm-venv system-packages test-deps demo test lint clean
 
-install: $(VENV)/.installed
+# The index's compiled part (setup.py, C++ in cache_service/index/csrc/), built in place by
+# the editable install, and again, offline, whenever its sources change.
+COMPILED := cache_service/index/_compiled$(shell $(PY) -c \
+    "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+
+install: $(VENV)/.installed $(COMPILED)
+
+$(COMPILED): setup.py $(wildcard cache_service/index/csrc/*) | $(VENV)/.installed
+	flock $(EDITABLE_LOCK) $(BIN)/pip install --no-build-isolation --no-deps -e .
 
 # torch first and pinned: this machine carries a CPU build of 2.13.0, and an unpinned
 # torch requirement would pull a multi-GB CUDA build instead.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
@@ -28,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 VLLM_VENV := .venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --upgrade pip
 	$(VLLM_VENV)/bin/pip install torch==2.13.0
@@ -71,4 +79,4 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info $(EDITABLE_LOCK)
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info $(EDITABLE_LOCK) $(COMPILED)

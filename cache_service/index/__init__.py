@@ -17,7 +17,8 @@ the tier of each page (w2's page 8 went down to its disk as page 1008):
 The package, along the index's seams (`GlobalIndex` is the thin facade over them):
 
 - `keys`: chained prefix keys, one 64-bit key per page naming its whole prefix;
-- `key_table`: key -> node ids, open addressing in numpy arrays;
+- `_compiled` (C++, `csrc/`): the key table, key -> node ids, open addressing in two
+  flat arrays;
 - `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access);
 - `walk`: the match walk, by runs of consecutive node ids;
 - `holders`: who holds each node (page id, generation, tier), in four inline columns and
@@ -32,7 +33,8 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 - `global_index`: the facade (workers, events, match, route, stats); `route` runs a
   policy of `cache_service.routing` over what the index holds.
 
-The index is plain Python and numpy: no Ray, ZMQ or torch.
+The index is Python, numpy and its compiled part (built by the package's install): no
+Ray, ZMQ or torch.
 """
 
 from cache_service.index.global_index import GlobalIndex, StaleEpoch

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cache_service.events import Namespace
-from cache_service.index.key_table import KeyTable
+from cache_service.index._compiled import KeyTable
 from cache_service.index.keys import PrefixKeys
 from cache_service.tokens import TOKEN_DTYPE
 

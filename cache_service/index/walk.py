@@ -122,7 +122,7 @@ def _lookup(nodes: Nodes, parent: int, depth: int, pages: int, data: bytes) -> n
     size = nodes.page_bytes
     data = data[depth * size : pages * size]
     keys = nodes.keys.chain_keys(nodes.key[parent], depth, data)
-    found_nodes = nodes.table.find_run(keys)
+    found_nodes = nodes.table.find_run(keys).astype(np.intp, copy=False)
     if len(found_nodes) == 0:
         return found_nodes
     parents = nodes.parent_arr.take(found_nodes)

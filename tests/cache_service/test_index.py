@@ -30,7 +30,7 @@ from cache_service.index import (
 )
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
-from cache_service.index.key_table import KeyTable
+from cache_service.index._compiled import KeyTable
 from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
@@ -847,12 +847,29 @@ def test_the_key_table_grows_and_shrinks():
     keys = [crowded_key((0, 1, 2, 500, 1021, 1022, 1023)[home % 7], home) for home in range(3000)]
     for node, key in enumerate(keys):
         table.insert(key, node)
-    assert table._bits == 13  # at most half full
+    assert table.bits == 13  # at most half full
     check_table(table, {key: [node] for node, key in enumerate(keys)})
     for node, key in enumerate(keys[:2900]):
         table.remove(key, node)
-    assert table._bits == 10
+    assert table.bits == 10
     check_table(table, {key: [node + 2900] for node, key in enumerate(keys[2900:])})
+
+
+def test_the_key_table_refuses_what_is_not_its_own_and_changes_nothing():
+    table = KeyTable()
+    table.insert(crowded_key(3, 1), 7)
+    with pytest.raises(ValueError, match="must be odd"):
+        table.insert(2, 8)
+    with pytest.raises(ValueError, match="node id"):
+        table.insert(crowded_key(3, 2), -1)
+    with pytest.raises(OverflowError):
+        table.insert(2**64 + 1, 8)
+    with pytest.raises(KeyError, match="not in the key table"):
+        table.remove(crowded_key(3, 1), 8)  # the key, another node
+    with pytest.raises(TypeError, match="int64 keys"):
+        table.find_run(np.array([1, 3], np.int32))
+    assert table.size == 1
+    check_table(table, {crowded_key(3, 1): [7]})
 
 
 def check_table(table, model: dict[int, list[int]]) -> None:

@@ -1,0 +1,242 @@
+// cache_service.index._compiled: the index's compiled parts, through CPython's C API
+// (nothing to build against but Python's headers: the package builds offline wherever
+// it installs).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "key_table.hpp"
+
+namespace {
+
+PyObject* frombuffer = nullptr;  // numpy.frombuffer: arrays out, without numpy's headers
+
+// A writable int64 numpy array over `bytes` (a bytearray); steals the reference to it.
+PyObject* int64_array(PyObject* bytes) {
+  if (bytes == nullptr) return nullptr;
+  PyObject* array = PyObject_CallFunction(frombuffer, "Os", bytes, "<i8");
+  Py_DECREF(bytes);
+  return array;
+}
+
+struct KeyTableObject {
+  PyObject_HEAD
+  kvmesh::KeyTable* table;
+};
+
+// A Python int as an int64 key; false (with an exception set) when it is not one.
+bool as_key(PyObject* value, int64_t* key) {
+  long long v = PyLong_AsLongLong(value);
+  if (v == -1 && PyErr_Occurred()) return false;
+  *key = static_cast<int64_t>(v);
+  return true;
+}
+
+bool as_node(PyObject* value, int32_t* node) {
+  long v = PyLong_AsLong(value);
+  if (v == -1 && PyErr_Occurred()) return false;
+  if (v < 0 || v > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "a node id must be in [0, 2**31), got %ld", v);
+    return false;
+  }
+  *node = static_cast<int32_t>(v);
+  return true;
+}
+
+PyObject* table_new(PyTypeObject* type, PyObject*, PyObject*) {
+  auto* self = reinterpret_cast<KeyTableObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->table = new (std::nothrow) kvmesh::KeyTable();
+  if (self->table == nullptr) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void table_dealloc(PyObject* object) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  delete self->table;
+  Py_TYPE(object)->tp_free(object);
+}
+
+// (key, node) arguments of `method`; false (with an exception set) when they are not.
+bool key_and_node(const char* method, PyObject* const* args, Py_ssize_t nargs, int64_t* key,
+                  int32_t* node) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "%s(key, node) takes 2 arguments, got %zd", method, nargs);
+    return false;
+  }
+  return as_key(args[0], key) && as_node(args[1], node);
+}
+
+PyObject* table_insert(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  int64_t key;
+  int32_t node;
+  if (!key_and_node("insert", args, nargs, &key, &node)) return nullptr;
+  try {
+    self->table->insert(key, node);
+  } catch (const std::invalid_argument& error) {
+    return PyErr_Format(PyExc_ValueError, "%s, got %lld", error.what(), (long long)key);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* table_remove(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  int64_t key;
+  int32_t node;
+  if (!key_and_node("remove", args, nargs, &key, &node)) return nullptr;
+  bool removed;
+  try {
+    removed = self->table->remove(key, node);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!removed)
+    return PyErr_Format(PyExc_KeyError, "node %d is not in the key table under %lld", (int)node,
+                        (long long)key);
+  Py_RETURN_NONE;
+}
+
+PyObject* table_candidates(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  int64_t key;
+  if (!as_key(arg, &key)) return nullptr;
+  std::vector<int32_t> found;
+  self->table->candidates(key, found);
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(found.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < found.size(); ++i) {
+    PyObject* node = PyLong_FromLong(found[i]);
+    if (node == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), node);
+  }
+  return out;
+}
+
+PyObject* table_find_run(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  Py_buffer view;  // one dimension, any stride (a numpy slice with a step, say)
+  if (PyObject_GetBuffer(arg, &view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) return nullptr;
+  std::string format = view.format == nullptr ? "B" : view.format;
+  if (view.ndim != 1 || view.itemsize != 8 ||
+      (format != "q" && format != "l" && format != "<q" && format != "=q")) {
+    PyBuffer_Release(&view);
+    return PyErr_Format(PyExc_TypeError, "find_run takes one dimension of int64 keys, got "
+                        "%d dimensions of format %s", view.ndim, format.c_str());
+  }
+  std::size_t count = static_cast<std::size_t>(view.shape[0]);
+  std::vector<int64_t> keys(count);
+  const char* base = static_cast<const char*>(view.buf);
+  for (std::size_t i = 0; i < count; ++i)
+    std::memcpy(&keys[i], base + static_cast<Py_ssize_t>(i) * view.strides[0], 8);
+  PyBuffer_Release(&view);
+  std::vector<int64_t> nodes(count);
+  std::size_t run = self->table->find_run(keys.data(), count, nodes.data());
+  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(nodes.data()),
+                                                   static_cast<Py_ssize_t>(run * 8)));
+}
+
+PyObject* table_check(PyObject* object, PyObject*) {
+  auto* self = reinterpret_cast<KeyTableObject*>(object);
+  std::vector<int64_t> keys;
+  std::vector<int32_t> nodes;
+  std::string wrong;
+  try {
+    wrong = self->table->check(keys, nodes);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!wrong.empty()) return PyErr_Format(PyExc_AssertionError, "%s", wrong.c_str());
+  std::vector<int64_t> wide(nodes.begin(), nodes.end());
+  PyObject* key_array = int64_array(PyByteArray_FromStringAndSize(
+      reinterpret_cast<const char*>(keys.data()), static_cast<Py_ssize_t>(keys.size() * 8)));
+  if (key_array == nullptr) return nullptr;
+  PyObject* node_array = int64_array(PyByteArray_FromStringAndSize(
+      reinterpret_cast<const char*>(wide.data()), static_cast<Py_ssize_t>(wide.size() * 8)));
+  if (node_array == nullptr) {
+    Py_DECREF(key_array);
+    return nullptr;
+  }
+  return Py_BuildValue("(NN)", key_array, node_array);
+}
+
+PyObject* table_size(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<KeyTableObject*>(object)->table->size());
+}
+
+PyObject* table_bits(PyObject* object, void*) {
+  return PyLong_FromLong(reinterpret_cast<KeyTableObject*>(object)->table->bits());
+}
+
+PyObject* table_nbytes(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<KeyTableObject*>(object)->table->slots() * 12);
+}
+
+PyMethodDef table_methods[] = {
+    {"insert", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_insert)),
+     METH_FASTCALL, "insert(key, node): add node under an odd int64 key."},
+    {"remove", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_remove)),
+     METH_FASTCALL, "remove(key, node): drop that entry (KeyError when absent)."},
+    {"candidates", table_candidates, METH_O,
+     "candidates(key) -> tuple of the nodes stored under key, in probe order."},
+    {"find_run", table_find_run, METH_O,
+     "find_run(int64 keys) -> int64 array: for the longest leading run of keys present, "
+     "each one's first node (candidates to verify)."},
+    {"check", table_check, METH_NOARGS,
+     "check() -> (int64 keys, int64 nodes) arrays of the occupied slots; "
+     "AssertionError naming what is wrong with the layout."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef table_getset[] = {
+    {"size", table_size, nullptr, "entries stored", nullptr},
+    {"bits", table_bits, nullptr, "log2 of its home slots", nullptr},
+    {"nbytes", table_nbytes, nullptr, "bytes of its two arrays", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyTypeObject KeyTableType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_compiled",
+                          "The global index's compiled parts.", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__compiled(void) {
+  PyObject* numpy = PyImport_ImportModule("numpy");
+  if (numpy == nullptr) return nullptr;
+  frombuffer = PyObject_GetAttrString(numpy, "frombuffer");
+  Py_DECREF(numpy);
+  if (frombuffer == nullptr) return nullptr;
+  KeyTableType.tp_name = "cache_service.index._compiled.KeyTable";
+  KeyTableType.tp_doc =
+      "Prefix key -> node ids: a multimap over open addressing (see key_table.hpp).";
+  KeyTableType.tp_basicsize = sizeof(KeyTableObject);
+  KeyTableType.tp_flags = Py_TPFLAGS_DEFAULT;
+  KeyTableType.tp_new = table_new;
+  KeyTableType.tp_dealloc = table_dealloc;
+  KeyTableType.tp_methods = table_methods;
+  KeyTableType.tp_getset = table_getset;
+  if (PyType_Ready(&KeyTableType) < 0) return nullptr;
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  Py_INCREF(&KeyTableType);
+  if (PyModule_AddObject(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0) {
+    Py_DECREF(&KeyTableType);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

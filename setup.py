@@ -1,0 +1,20 @@
+"""The compiled parts of the package (everything else is in pyproject.toml).
+
+C++17 through CPython's C API alone: building needs Python's headers and a C++ compiler,
+nothing from the network, so `pip install --no-build-isolation --no-deps -e .` builds it
+offline from what is installed.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "cache_service.index._compiled",
+            sources=["cache_service/index/csrc/module.cpp"],
+            depends=["cache_service/index/csrc/key_table.hpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2"],
+        )
+    ]
+)
