@@ -90,7 +90,7 @@ def _check_keys(nodes: Nodes, pages: np.ndarray) -> None:
     deepest = nodes.depth_arr[pages].max() if len(pages) else 0
     assert nodes.max_depth >= deepest, f"a node at depth {deepest} > {nodes.max_depth}"
     positions = np.arange(size)
-    coefficients_of = nodes.keys.coefficients
+    coefficients_of = nodes.keys.coefficients(int(deepest) * size)
     for start in range(0, len(pages), 1 << 16):  # in chunks: bounded temporaries
         chunk = pages[start : start + (1 << 16)]
         parents = nodes.parent_arr[chunk]

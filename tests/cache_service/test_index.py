@@ -30,7 +30,7 @@ from cache_service.index import (
 )
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
-from cache_service.index._compiled import KeyTable
+from cache_service.index._compiled import ChainKeys, KeyTable
 from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
@@ -872,6 +872,49 @@ def test_the_key_table_refuses_what_is_not_its_own_and_changes_nothing():
     check_table(table, {crowded_key(3, 1): [7]})
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 40),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5 * P + 3),
+)
+def test_chain_keys_are_the_running_sums_of_their_terms(start, depth, tokens):
+    """Against the formula in plain Python ints (keys.py): key(page i) = start + the sum of
+    coefficient * token over the token positions from depth * P to the end of page i."""
+    keys = ChainKeys(P, 12345)
+    data = struct.pack(f"<{len(tokens)}i", *tokens)
+    pages = len(tokens) // P
+    coefficients = keys.coefficients((depth + pages) * P).tolist()
+    assert all(c % 2 == 0 for c in coefficients)
+    expected, key = [], start
+    for i in range(pages * P):
+        key += coefficients[depth * P + i] * tokens[i]
+        if i % P == P - 1:
+            expected.append((key + 2**63) % 2**64 - 2**63)
+    assert keys.chain_keys(start, depth, data).tolist() == expected
+    prompt = bytes(4 * P * depth) + data  # the same pages, at page depth `depth` of a prompt
+    for page in range(pages):
+        parent = start if page == 0 else expected[page - 1]
+        assert keys.page_key(parent, depth + page, prompt) == expected[page]
+
+
+def test_chain_keys_refuse_what_they_cannot_key():
+    keys = ChainKeys(P, 7)
+    data = struct.pack(f"<{2 * P}i", *range(2 * P))
+    with pytest.raises(ValueError, match="no such page"):
+        keys.page_key(1, 2, data)
+    with pytest.raises(ValueError, match="depth must be >= 0"):
+        keys.chain_keys(1, -1, data)
+    with pytest.raises(ValueError, match="longest key"):
+        keys.chain_keys(1, 2**26, data)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        keys.chain_keys(1, 0)
+    with pytest.raises(ValueError, match="positive"):
+        ChainKeys(0, 7)
+    assert keys.chain_keys(1, 0, data[:-1]).tolist() == keys.chain_keys(1, 0, data)[:1].tolist()
+    assert all(k & 1 for k in keys.chain_keys(1, 3, data).tolist())  # odd from an odd root
+
+
 def check_table(table, model: dict[int, list[int]]) -> None:
     stored_keys, nodes = table.check()
     assert sorted(zip(stored_keys.tolist(), nodes.tolist(), strict=True)) == sorted(
@@ -1239,12 +1282,12 @@ def test_index_matches_the_model_when_every_key_collides(runs, ops):
     the same prefix key, so every lookup meets collisions and only the exact comparison of
     tokens and parents tells the nodes apart."""
     with (
-        mock.patch.object(keys_module, "_draw_coefficients", collide_coefficients),
+        mock.patch.object(keys_module, "_chain_keys", colliding_keys),
         mock.patch.object(keys_module, "_root_key", lambda secret, namespace: 1),
         mock.patch.object(walk_module, "MAX_RUNS", runs),
     ):
         run_model(ops)
 
 
-def collide_coefficients(rng: np.random.Generator, count: int) -> np.ndarray:
-    return np.zeros(count, np.int64)
+def colliding_keys(page_tokens: int, secret: int) -> ChainKeys:
+    return ChainKeys(page_tokens, secret, collide=True)

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "chain_keys.hpp"
 #include "key_table.hpp"
 
 namespace {
@@ -209,12 +210,145 @@ PyGetSetDef table_getset[] = {
 
 PyTypeObject KeyTableType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
+// ---- ChainKeys ---------------------------------------------------------------------
+
+struct ChainKeysObject {
+  PyObject_HEAD
+  kvmesh::ChainKeys* keys;
+};
+
+PyObject* keys_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"page_tokens", "secret", "collide", nullptr};
+  Py_ssize_t page_tokens;
+  unsigned long long secret;
+  int collide = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nK|p", const_cast<char**>(names),
+                                   &page_tokens, &secret, &collide))
+    return nullptr;
+  if (page_tokens <= 0)
+    return PyErr_Format(PyExc_ValueError, "page_tokens must be positive, got %zd", page_tokens);
+  auto* self = reinterpret_cast<ChainKeysObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->keys = new (std::nothrow)
+      kvmesh::ChainKeys(static_cast<std::size_t>(page_tokens), secret, collide != 0);
+  if (self->keys == nullptr) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void keys_dealloc(PyObject* object) {
+  delete reinterpret_cast<ChainKeysObject*>(object)->keys;
+  Py_TYPE(object)->tp_free(object);
+}
+
+// (key, depth, data) arguments of `method`: `view` holds data's bytes when true.
+bool key_depth_data(const char* method, PyObject* const* args, Py_ssize_t nargs, int64_t* key,
+                    std::size_t* depth, Py_buffer* view) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "%s(key, depth, data) takes 3 arguments, got %zd", method,
+                 nargs);
+    return false;
+  }
+  if (!as_key(args[0], key)) return false;
+  Py_ssize_t d = PyLong_AsSsize_t(args[1]);
+  if (d == -1 && PyErr_Occurred()) return false;
+  if (d < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: depth must be >= 0, got %zd", method, d);
+    return false;
+  }
+  *depth = static_cast<std::size_t>(d);
+  return PyObject_GetBuffer(args[2], view, PyBUF_SIMPLE) == 0;
+}
+
+// Runs `call`, turning the C++ exceptions of ChainKeys into Python's; false when it threw.
+template <typename Call>
+bool guarded(Call call) {
+  try {
+    call();
+    return true;
+  } catch (const std::length_error& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::out_of_range& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return false;
+}
+
+PyObject* keys_chain(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* keys = reinterpret_cast<ChainKeysObject*>(object)->keys;
+  int64_t start;
+  std::size_t depth;
+  Py_buffer view;
+  if (!key_depth_data("chain_keys", args, nargs, &start, &depth, &view)) return nullptr;
+  std::size_t bytes = static_cast<std::size_t>(view.len);
+  std::vector<int64_t> out(bytes / (4 * keys->page_tokens()));
+  bool done = guarded([&] {
+    keys->chain(start, depth, static_cast<const char*>(view.buf), bytes, out.data());
+  });
+  PyBuffer_Release(&view);
+  if (!done) return nullptr;
+  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                                   static_cast<Py_ssize_t>(out.size() * 8)));
+}
+
+PyObject* keys_page(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* keys = reinterpret_cast<ChainKeysObject*>(object)->keys;
+  int64_t parent;
+  std::size_t depth;
+  Py_buffer view;
+  if (!key_depth_data("page_key", args, nargs, &parent, &depth, &view)) return nullptr;
+  int64_t key = 0;
+  bool done = guarded([&] {
+    key = keys->page(parent, depth, static_cast<const char*>(view.buf),
+                     static_cast<std::size_t>(view.len));
+  });
+  PyBuffer_Release(&view);
+  if (!done) return nullptr;
+  return PyLong_FromLongLong(key);
+}
+
+PyObject* keys_coefficients(PyObject* object, PyObject* arg) {
+  auto* keys = reinterpret_cast<ChainKeysObject*>(object)->keys;
+  Py_ssize_t count = PyLong_AsSsize_t(arg);
+  if (count == -1 && PyErr_Occurred()) return nullptr;
+  if (count < 0) return PyErr_Format(PyExc_ValueError, "count must be >= 0, got %zd", count);
+  const uint64_t* first = nullptr;
+  if (!guarded([&] { first = keys->coefficients(static_cast<std::size_t>(count)); }))
+    return nullptr;
+  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(first),
+                                                   count * 8));
+}
+
+PyMethodDef keys_methods[] = {
+    {"chain_keys", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keys_chain)),
+     METH_FASTCALL,
+     "chain_keys(start, depth, data) -> int64 array: the keys of the full pages of packed "
+     "tokens `data` hung below a node of key `start` at page depth `depth`."},
+    {"page_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keys_page)),
+     METH_FASTCALL,
+     "page_key(parent_key, depth, data) -> int: the key of page `depth` of `data` as a child "
+     "of a node of key `parent_key`."},
+    {"coefficients", keys_coefficients, METH_O,
+     "coefficients(count) -> int64 array: the first `count` coefficients (for checks)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject ChainKeysType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_compiled",
                           "The global index's compiled parts.", -1, nullptr};
 
 }  // namespace
 
 PyMODINIT_FUNC PyInit__compiled(void) {
+#if PY_BIG_ENDIAN
+  PyErr_SetString(PyExc_ImportError, "the index's compiled part reads little-endian tokens");
+  return nullptr;
+#endif
   PyObject* numpy = PyImport_ImportModule("numpy");
   if (numpy == nullptr) return nullptr;
   frombuffer = PyObject_GetAttrString(numpy, "frombuffer");
@@ -230,11 +364,20 @@ PyMODINIT_FUNC PyInit__compiled(void) {
   KeyTableType.tp_methods = table_methods;
   KeyTableType.tp_getset = table_getset;
   if (PyType_Ready(&KeyTableType) < 0) return nullptr;
+  ChainKeysType.tp_name = "cache_service.index._compiled.ChainKeys";
+  ChainKeysType.tp_doc =
+      "ChainKeys(page_tokens, secret, collide=False): chained prefix keys (chain_keys.hpp).";
+  ChainKeysType.tp_basicsize = sizeof(ChainKeysObject);
+  ChainKeysType.tp_flags = Py_TPFLAGS_DEFAULT;
+  ChainKeysType.tp_new = keys_new;
+  ChainKeysType.tp_dealloc = keys_dealloc;
+  ChainKeysType.tp_methods = keys_methods;
+  if (PyType_Ready(&ChainKeysType) < 0) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
-  Py_INCREF(&KeyTableType);
-  if (PyModule_AddObject(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0) {
-    Py_DECREF(&KeyTableType);
+  if (PyModule_AddObjectRef(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0 ||
+      PyModule_AddObjectRef(module, "ChainKeys", reinterpret_cast<PyObject*>(&ChainKeysType)) <
+          0) {
     Py_DECREF(module);
     return nullptr;
   }
