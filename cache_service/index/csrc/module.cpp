@@ -339,6 +339,20 @@ PyMethodDef keys_methods[] = {
 
 PyTypeObject ChainKeysType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
+// Fill in and ready one of the module's types.
+bool ready(PyTypeObject* type, const char* name, const char* doc, std::size_t size, newfunc make,
+           destructor dealloc, PyMethodDef* methods, PyGetSetDef* getset) {
+  type->tp_name = name;
+  type->tp_doc = doc;
+  type->tp_basicsize = static_cast<Py_ssize_t>(size);
+  type->tp_flags = Py_TPFLAGS_DEFAULT;
+  type->tp_new = make;
+  type->tp_dealloc = dealloc;
+  type->tp_methods = methods;
+  type->tp_getset = getset;
+  return PyType_Ready(type) == 0;
+}
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_compiled",
                           "The global index's compiled parts.", -1, nullptr};
 
@@ -354,25 +368,14 @@ PyMODINIT_FUNC PyInit__compiled(void) {
   frombuffer = PyObject_GetAttrString(numpy, "frombuffer");
   Py_DECREF(numpy);
   if (frombuffer == nullptr) return nullptr;
-  KeyTableType.tp_name = "cache_service.index._compiled.KeyTable";
-  KeyTableType.tp_doc =
-      "Prefix key -> node ids: a multimap over open addressing (see key_table.hpp).";
-  KeyTableType.tp_basicsize = sizeof(KeyTableObject);
-  KeyTableType.tp_flags = Py_TPFLAGS_DEFAULT;
-  KeyTableType.tp_new = table_new;
-  KeyTableType.tp_dealloc = table_dealloc;
-  KeyTableType.tp_methods = table_methods;
-  KeyTableType.tp_getset = table_getset;
-  if (PyType_Ready(&KeyTableType) < 0) return nullptr;
-  ChainKeysType.tp_name = "cache_service.index._compiled.ChainKeys";
-  ChainKeysType.tp_doc =
-      "ChainKeys(page_tokens, secret, collide=False): chained prefix keys (chain_keys.hpp).";
-  ChainKeysType.tp_basicsize = sizeof(ChainKeysObject);
-  ChainKeysType.tp_flags = Py_TPFLAGS_DEFAULT;
-  ChainKeysType.tp_new = keys_new;
-  ChainKeysType.tp_dealloc = keys_dealloc;
-  ChainKeysType.tp_methods = keys_methods;
-  if (PyType_Ready(&ChainKeysType) < 0) return nullptr;
+  if (!ready(&KeyTableType, "cache_service.index._compiled.KeyTable",
+             "Prefix key -> node ids: a multimap over open addressing (see key_table.hpp).",
+             sizeof(KeyTableObject), table_new, table_dealloc, table_methods, table_getset) ||
+      !ready(&ChainKeysType, "cache_service.index._compiled.ChainKeys",
+             "ChainKeys(page_tokens, secret, collide=False): chained prefix keys "
+             "(chain_keys.hpp).",
+             sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, nullptr))
+    return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddObjectRef(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0 ||
