@@ -23,8 +23,6 @@ process runs pinned to one CPU when the machine allows it.
 from __future__ import annotations
 
 import gc
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -34,6 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from benchmarks.replay import load_trace as load_requests
 from cache_service.events import Namespace, PagesStored
 from cache_service.index import GlobalIndex
 from cache_service.tokens import PackedTokens
@@ -48,14 +47,7 @@ NAMESPACE = Namespace("bench-index")
 
 def load_trace(path: Path = TRACE, limit: int | None = None) -> list[list[int]]:
     """The hash ids of each request, in trace order."""
-    requests = []
-    with gzip.open(path, "rt") as lines:
-        for line in lines:
-            if line.strip():
-                requests.append(json.loads(line)["hash_ids"])
-                if limit is not None and len(requests) >= limit:
-                    break
-    return requests
+    return [list(request.hash_ids) for request in load_requests(path, limit)]
 
 
 def page_tokens(hash_ids: np.ndarray) -> np.ndarray:

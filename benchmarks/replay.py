@@ -68,6 +68,7 @@ fed at the mean rate. Simulated workers share one node: copies cost a memcpy's r
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -128,7 +129,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     """Read a Mooncake-format JSON-lines trace.
 
     Args:
-        path: the trace file; blank lines are skipped.
+        path: the trace file (gzipped when its name ends in .gz); blank lines are skipped.
         limit: read at most this many requests (None: all).
 
     Returns:
@@ -142,7 +143,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
     requests: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as lines:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as lines:
         for lineno, line in enumerate(lines, start=1):
             if limit is not None and len(requests) >= limit:
                 break

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import index as index_bench
 from benchmarks import replay as rp
 from benchmarks.replay import (
     TRACE_BLOCK_TOKENS,
@@ -23,7 +24,7 @@ from benchmarks.replay import (
     request_tokens,
 )
 
-REAL_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
+REAL_TRACE = Path(index_bench.TRACE)  # the Mooncake conversation trace, gzipped, in the repo
 B = TRACE_BLOCK_TOKENS
 
 
@@ -283,7 +284,6 @@ def test_empty_trace_is_an_error():
         replay([], workers=1, pages_per_worker=1, routing="prefix")
 
 
-@pytest.mark.skipif(not REAL_TRACE.is_file(), reason="real trace not present")
 def test_real_trace_head_prefix_beats_round_robin():
     requests = load_trace(REAL_TRACE, limit=300)
     assert len(requests) == 300
