@@ -59,6 +59,11 @@ class PrefixKeys:
         """The key of `namespace`'s root."""
         return _root_key(self._secret, namespace)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the compiled coefficients."""
+        return self._compiled.nbytes
+
     def coefficients(self, count: int) -> np.ndarray:
         """The first `count` coefficients, one per token position (int64; for checks)."""
         return self._compiled.coefficients(count)

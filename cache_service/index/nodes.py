@@ -91,6 +91,11 @@ class Nodes:
         self.capacity = capacity
         self._on_grow(capacity)
 
+    def compiled_nbytes(self) -> int:
+        """Bytes held in compiled structures (the key table, the key coefficients), which
+        tracemalloc does not see."""
+        return self.table.nbytes + self.keys.nbytes
+
     def allocate(self) -> int:
         """A node id with empty links and no holders."""
         if self.free:

@@ -29,6 +29,7 @@ class ChainKeys {
   }
 
   std::size_t page_tokens() const { return page_tokens_; }
+  std::size_t nbytes() const { return coefficients_.capacity() * sizeof(uint64_t); }
 
   // The keys of the full pages of `data` (little-endian int32 tokens), hung below a node
   // of key `start` at page depth `depth`, into `out` (one per full page); their count.

@@ -337,6 +337,15 @@ PyMethodDef keys_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
+PyObject* keys_nbytes(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<ChainKeysObject*>(object)->keys->nbytes());
+}
+
+PyGetSetDef keys_getset[] = {
+    {"nbytes", keys_nbytes, nullptr, "bytes of its coefficients", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
 PyTypeObject ChainKeysType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
 // Fill in and ready one of the module's types.
@@ -374,7 +383,7 @@ PyMODINIT_FUNC PyInit__compiled(void) {
       !ready(&ChainKeysType, "cache_service.index._compiled.ChainKeys",
              "ChainKeys(page_tokens, secret, collide=False): chained prefix keys "
              "(chain_keys.hpp).",
-             sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, nullptr))
+             sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, keys_getset))
     return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
