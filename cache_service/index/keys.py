@@ -53,7 +53,7 @@ class PrefixKeys:
         compiled = _chain_keys(page_tokens, self._secret)
         self.chain_keys = compiled.chain_keys
         self.page_key = compiled.page_key
-        self._compiled = compiled
+        self.compiled = compiled
 
     def root_key(self, namespace: Namespace) -> int:
         """The key of `namespace`'s root."""
@@ -62,8 +62,8 @@ class PrefixKeys:
     @property
     def nbytes(self) -> int:
         """Bytes of the compiled coefficients."""
-        return self._compiled.nbytes
+        return self.compiled.nbytes
 
     def coefficients(self, count: int) -> np.ndarray:
         """The first `count` coefficients, one per token position (int64; for checks)."""
-        return self._compiled.coefficients(count)
+        return self.compiled.coefficients(count)

@@ -2,9 +2,10 @@
 
 The index holds about a million pages, and a Python object per node costs several
 hundred bytes; a struct of columns costs a few dozen. Scalar code reads and writes the
-columns through memoryviews (as fast as array.array); the match walk reads them for all
-pages of a prompt at once through the numpy arrays. `grow` replaces both together, so
-callers look the columns up on the `Nodes` object each time rather than keeping them.
+columns through memoryviews (as fast as array.array); the match walk reads them in
+compiled code (`view`, a `NodeView` holding the arrays). `grow` replaces all three
+together, so callers look the columns up on the `Nodes` object each time rather than
+keeping them.
 
 Node 0 .. allocated - 1 are handed out; freed ones wait on a free list. A root per
 namespace (depth 0, no page) holds the first pages of its prompts as children; a child
@@ -20,14 +21,11 @@ from collections.abc import Callable
 import numpy as np
 
 from cache_service.events import Namespace
-from cache_service.index._compiled import KeyTable
+from cache_service.index._compiled import KeyTable, NodeView
 from cache_service.index.keys import PrefixKeys
 from cache_service.tokens import TOKEN_DTYPE
 
 NONE = -1  # "no node" / "no holder" inside the int columns, never outside the index
-# Branches (parent, page) the match walk remembers: a few hundred KiB at most, where the
-# key of a page costs a dozen big-int multiplications and a probe of the key table.
-RECENT_BRANCHES = 4096
 
 
 class Nodes:
@@ -62,15 +60,11 @@ class Nodes:
         self.free: list[int] = []
         self.num_pages = 0
         self.max_depth = 0  # no prompt matches deeper than the deepest node ever made
-        # (parent, page tokens) -> the child the walk found there last. An entry may be
-        # stale (the child released, its id reused): `branch` checks it before use.
-        self.recent_branches: dict[tuple[int, bytes], int] = {}
+        self.view = self._view()
 
     def grow(self, capacity: int) -> None:
         """Extend every column to `capacity` nodes and rebind the memoryviews."""
         self.tokens_arr = tokens = grown(self.tokens_arr, capacity, 0)
-        # One page per element, for gathering the pages of a path in one `take`.
-        self.page_records = tokens.view(f"V{self.page_bytes}").reshape(capacity)
         self.token_bytes = memoryview(tokens).cast("B")
         self.parent_arr = grown(self.parent_arr, capacity, NONE)
         self.first_child_arr = grown(self.first_child_arr, capacity, NONE)
@@ -89,7 +83,20 @@ class Nodes:
         self.last_access = memoryview(self.last_access_arr)
         self.chained = memoryview(self.chained_arr)
         self.capacity = capacity
+        self.view = self._view()
         self._on_grow(capacity)
+
+    def _view(self) -> NodeView:
+        """The compiled match walk over the columns as they are now (`walk.walk`)."""
+        return NodeView(
+            self.tokens_arr,
+            self.parent_arr,
+            self.first_child_arr,
+            self.chained_arr,
+            self.key_arr,
+            self.table,
+            self.keys.compiled,
+        )
 
     def compiled_nbytes(self) -> int:
         """Bytes held in compiled structures (the key table, the key coefficients), which
@@ -169,32 +176,6 @@ class Nodes:
             ):
                 return node
         return None
-
-    def branch(self, parent: int, depth: int, data: bytes) -> int | None:
-        """The child of `parent` holding page `depth` of packed prompt `data`.
-
-        Where a run of the walk starts: the first page below a root, and where chains
-        branch (a shared system prompt and the suffixes below it). Prompts come back to the
-        same branches, so the last child found at each is remembered, and taken only once
-        its parent and tokens are checked: then it is the child, since a parent has one
-        child per page.
-        """
-        size = self.page_bytes
-        tokens = data[depth * size : (depth + 1) * size]
-        recent = self.recent_branches
-        node = recent.get((parent, tokens))
-        if node is not None:
-            if self.parent[node] == parent and data.startswith(
-                self.token_bytes[node * size : (node + 1) * size], depth * size
-            ):
-                return node
-            del recent[parent, tokens]
-        node = self.child(parent, self.keys.page_key(self.key[parent], depth, data), tokens)
-        if node is not None:
-            if len(recent) >= RECENT_BRANCHES:
-                recent.clear()
-            recent[parent, tokens] = node
-        return node
 
     def is_ancestor_or_self(self, ancestor: int, node: int) -> bool:
         while node != NONE:

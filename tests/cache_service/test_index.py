@@ -30,7 +30,7 @@ from cache_service.index import (
 )
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
-from cache_service.index._compiled import ChainKeys, KeyTable
+from cache_service.index._compiled import ChainKeys, KeyTable, NodeView
 from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
@@ -913,6 +913,28 @@ def test_chain_keys_refuse_what_they_cannot_key():
         ChainKeys(0, 7)
     assert keys.chain_keys(1, 0, data[:-1]).tolist() == keys.chain_keys(1, 0, data)[:1].tolist()
     assert all(k & 1 for k in keys.chain_keys(1, 3, data).tolist())  # odd from an odd root
+
+
+def test_the_compiled_walk_reads_only_columns_that_agree_and_nodes_inside_them():
+    index = GlobalIndex(page_tokens=P)
+    index.register("a", "n1", now=0.0)
+    apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
+    nodes = index._nodes
+    view = nodes.view
+    data = pack_tokens(make_tokens(1, 2, 3))
+    assert view.walk(nodes.roots[NS], data, 4, nodes.allocated, nodes.max_depth)[0] == 3
+    for root in (nodes.capacity, 2**40, -5):  # no such node: nothing is read, nothing found
+        assert view.walk(root, data, 4, nodes.allocated, nodes.max_depth)[0] == 0
+    with pytest.raises(ValueError, match="negative"):
+        view.walk(nodes.roots[NS], data, -1, nodes.allocated, nodes.max_depth)
+    short = nodes.key_arr[:-1]
+    with pytest.raises(ValueError, match="different lengths"):
+        NodeView(nodes.tokens_arr, nodes.parent_arr, nodes.first_child_arr, nodes.chained_arr,
+                 short, nodes.table, nodes.keys.compiled)  # fmt: skip
+    with pytest.raises(TypeError, match="chained has 8-byte items"):
+        NodeView(nodes.tokens_arr, nodes.parent_arr, nodes.first_child_arr,
+                 nodes.parent_arr, nodes.key_arr, nodes.table, nodes.keys.compiled)  # fmt: skip
+    index.check_integrity()
 
 
 def check_table(table, model: dict[int, list[int]]) -> None:

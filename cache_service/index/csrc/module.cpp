@@ -11,6 +11,7 @@
 
 #include "chain_keys.hpp"
 #include "key_table.hpp"
+#include "walk.hpp"
 
 namespace {
 
@@ -348,6 +349,145 @@ PyGetSetDef keys_getset[] = {
 
 PyTypeObject ChainKeysType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
+// ---- NodeView: the walk over a Nodes object's columns ------------------------------
+
+struct NodeViewObject {
+  PyObject_HEAD
+  Py_buffer buffers[5];  // tokens, parent, first_child, chained, key
+  int held;              // buffers acquired so far
+  PyObject* table;       // the KeyTable and ChainKeys objects it walks with
+  PyObject* keys;
+  kvmesh::NodeColumns columns;
+  kvmesh::Walker* walker;
+};
+
+void view_dealloc(PyObject* object) {
+  auto* self = reinterpret_cast<NodeViewObject*>(object);
+  delete self->walker;
+  for (int i = 0; i < self->held; ++i) PyBuffer_Release(&self->buffers[i]);
+  Py_XDECREF(self->table);
+  Py_XDECREF(self->keys);
+  Py_TYPE(object)->tp_free(object);
+}
+
+// Acquire column `i` of the view: C-contiguous, `itemsize` bytes an item, at least
+// `count` items (0: any). False with an exception set when it is not such a buffer.
+bool column(NodeViewObject* self, int i, PyObject* array, const char* name, Py_ssize_t itemsize) {
+  if (PyObject_GetBuffer(array, &self->buffers[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+    return false;
+  self->held = i + 1;
+  if (self->buffers[i].itemsize != itemsize) {
+    PyErr_Format(PyExc_TypeError, "NodeView: column %s has %zd-byte items, not %zd", name,
+                 self->buffers[i].itemsize, itemsize);
+    return false;
+  }
+  return true;
+}
+
+PyObject* view_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"tokens", "parent", "first_child", "chained",
+                                "key",    "table",  "keys",        nullptr};
+  PyObject *tokens, *parent, *first_child, *chained, *key, *table, *keys;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO!O!", const_cast<char**>(names),
+                                   &tokens, &parent, &first_child, &chained, &key,
+                                   &KeyTableType, &table, &ChainKeysType, &keys))
+    return nullptr;
+  auto* self = reinterpret_cast<NodeViewObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  PyObject* object = reinterpret_cast<PyObject*>(self);
+  if (!column(self, 0, tokens, "tokens", 4) || !column(self, 1, parent, "parent", 8) ||
+      !column(self, 2, first_child, "first_child", 4) || !column(self, 3, chained, "chained", 1) ||
+      !column(self, 4, key, "key", 8)) {
+    Py_DECREF(object);
+    return nullptr;
+  }
+  Py_ssize_t capacity = self->buffers[1].len / 8;
+  auto* chain = reinterpret_cast<ChainKeysObject*>(keys)->keys;
+  auto page_bytes = static_cast<Py_ssize_t>(4 * chain->page_tokens());
+  if (self->buffers[2].len / 4 != capacity || self->buffers[3].len != capacity ||
+      self->buffers[4].len / 8 != capacity || self->buffers[0].len != capacity * page_bytes) {
+    Py_DECREF(object);
+    return PyErr_Format(PyExc_ValueError, "NodeView: columns of different lengths, or pages "
+                        "of another size than the keys' (%zd nodes)", capacity);
+  }
+  Py_INCREF(table);
+  Py_INCREF(keys);
+  self->table = table;
+  self->keys = keys;
+  self->columns = kvmesh::NodeColumns{
+      static_cast<const char*>(self->buffers[0].buf),
+      static_cast<const int64_t*>(self->buffers[1].buf),
+      static_cast<const int32_t*>(self->buffers[2].buf),
+      static_cast<const uint8_t*>(self->buffers[3].buf),
+      static_cast<const int64_t*>(self->buffers[4].buf),
+      static_cast<std::size_t>(capacity),
+      static_cast<std::size_t>(page_bytes)};
+  self->walker = new (std::nothrow) kvmesh::Walker(
+      self->columns, *reinterpret_cast<KeyTableObject*>(table)->table, *chain);
+  if (self->walker == nullptr) {
+    Py_DECREF(object);
+    return PyErr_NoMemory();
+  }
+  return object;
+}
+
+PyObject* view_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<NodeViewObject*>(object);
+  if (nargs != 5)
+    return PyErr_Format(PyExc_TypeError,
+                        "walk(root, data, max_runs, allocated, max_depth) takes 5 arguments");
+  int64_t root = kvmesh::kNone;
+  if (args[0] != Py_None && !as_key(args[0], &root)) return nullptr;
+  Py_ssize_t numbers[3];
+  for (int i = 0; i < 3; ++i) {
+    numbers[i] = PyLong_AsSsize_t(args[2 + i]);
+    if (numbers[i] == -1 && PyErr_Occurred()) return nullptr;
+    if (numbers[i] < 0) return PyErr_Format(PyExc_ValueError, "walk: a negative count");
+  }
+  Py_buffer data;
+  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  kvmesh::Path path;
+  bool done = guarded([&] {
+    path = self->walker->walk(root, static_cast<const char*>(data.buf),
+                              static_cast<std::size_t>(data.len),
+                              static_cast<std::size_t>(numbers[0]),
+                              static_cast<std::size_t>(numbers[1]),
+                              static_cast<std::size_t>(numbers[2]));
+  });
+  PyBuffer_Release(&data);
+  if (!done) return nullptr;
+  if (path.listed) {
+    PyObject* nodes = int64_array(PyByteArray_FromStringAndSize(
+        reinterpret_cast<const char*>(path.nodes.data()),
+        static_cast<Py_ssize_t>(path.nodes.size() * 8)));
+    if (nodes == nullptr) return nullptr;
+    return Py_BuildValue("(n()N)", static_cast<Py_ssize_t>(path.length), nodes);
+  }
+  PyObject* runs = PyTuple_New(static_cast<Py_ssize_t>(path.runs.size()));
+  if (runs == nullptr) return nullptr;
+  for (std::size_t i = 0; i < path.runs.size(); ++i) {
+    PyObject* run = Py_BuildValue("(Ln)", static_cast<long long>(path.runs[i].first),
+                                  static_cast<Py_ssize_t>(path.runs[i].second));
+    if (run == nullptr) {
+      Py_DECREF(runs);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(runs, static_cast<Py_ssize_t>(i), run);
+  }
+  return Py_BuildValue("(nNO)", static_cast<Py_ssize_t>(path.length), runs, Py_None);
+}
+
+PyMethodDef view_methods[] = {
+    {"walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_walk)),
+     METH_FASTCALL,
+     "walk(root, data, max_runs, allocated, max_depth) -> (length, runs, nodes): the path "
+     "of packed prompt `data` below node `root` (None: no root), as (first node, pages) "
+     "runs, or, past max_runs runs, every node (an int64 array; runs then empty)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject NodeViewType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
+
 // Fill in and ready one of the module's types.
 bool ready(PyTypeObject* type, const char* name, const char* doc, std::size_t size, newfunc make,
            destructor dealloc, PyMethodDef* methods, PyGetSetDef* getset) {
@@ -383,13 +523,18 @@ PyMODINIT_FUNC PyInit__compiled(void) {
       !ready(&ChainKeysType, "cache_service.index._compiled.ChainKeys",
              "ChainKeys(page_tokens, secret, collide=False): chained prefix keys "
              "(chain_keys.hpp).",
-             sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, keys_getset))
+             sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, keys_getset) ||
+      !ready(&NodeViewType, "cache_service.index._compiled.NodeView",
+             "NodeView(tokens, parent, first_child, chained, key, table, keys): the match "
+             "walk over a Nodes object's columns (walk.hpp), which it holds while it lives.",
+             sizeof(NodeViewObject), view_new, view_dealloc, view_methods, nullptr))
     return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddObjectRef(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0 ||
       PyModule_AddObjectRef(module, "ChainKeys", reinterpret_cast<PyObject*>(&ChainKeysType)) <
-          0) {
+          0 ||
+      PyModule_AddObjectRef(module, "NodeView", reinterpret_cast<PyObject*>(&NodeViewType)) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
