@@ -218,17 +218,31 @@ def test_an_engine_leaves_ray_once_enrolled_and_finds_the_service_without_it(ser
     import subprocess
     import sys
 
+    import msgpack
+    from ray.experimental import internal_kv
+
+    from cache_service.actor import ENDPOINT_KEY, RAY_NAMESPACE
+
     gcs = ray.get_runtime_context().gcs_address
-    reply = subprocess.run(
-        [sys.executable, "-c", JOIN, gcs, issue()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # Whoever writes the kept endpoint names an address, never the service's key: the
+    # engine keeps the one its enrollment gave it (a forged key here would lose it the
+    # service: its CurveZMQ handshake would fail).
+    real = ray.get(service.endpoint.remote())
+    forged = {**real, "server_key": KeyPair.generate().public}
+    internal_kv._internal_kv_put(ENDPOINT_KEY, msgpack.packb(forged), namespace=RAY_NAMESPACE)
+    try:
+        reply = subprocess.run(
+            [sys.executable, "-c", JOIN, gcs, issue()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        internal_kv._internal_kv_put(ENDPOINT_KEY, msgpack.packb(real), namespace=RAY_NAMESPACE)
     assert reply.returncode == 0, reply.stderr[-2000:]
     out = json.loads(reply.stdout.strip().splitlines()[-1])
     assert out["in_ray"] is False
     assert out["address"] == ray.get(service.endpoint.remote())["address"]
-    assert out["epoch"] > 0  # its enrolled key, through the endpoint read from the GCS
+    assert out["epoch"] > 0  # its enrolled key, at the address read from the GCS
     assert out["admits_itself"] is True and out["admits_a_stranger"] is False
     ray.get(service.check_integrity.remote())

@@ -152,7 +152,8 @@ def join_mesh(
         pages = data.get("pages") or {}  # the launcher's page-server settings, if any
         page_host = resolve_host(pages.get("host", "loopback"))
         node_id = ray.get_runtime_context().get_node_id()
-        directory = MeshDirectory(ray.get_runtime_context().gcs_address)
+        gcs = ray.get_runtime_context().gcs_address
+        directory = MeshDirectory(gcs, data["endpoint"]["server_key"])
     finally:
         if joined:
             ray.shutdown()

@@ -27,13 +27,22 @@ class MeshDirectory:
     """Reads the service's endpoint and the enrolled engines' keys from Ray's GCS at
     `gcs_address` (host:port), without connecting to Ray. Thread-safe.
 
+    Args:
+        server_key: the service's CurveZMQ public key as the engine's enrollment gave it
+            (None: the mesh runs without authentication). The endpoint's address comes
+            from the GCS, its key never does: a mesh keeps its keys across restarts of
+            the service, so a key written there by anyone else is ignored.
+
     Raises (from each read):
         RuntimeError: the GCS holds no service endpoint (no mesh runs there now).
         Whatever Ray's GCS client raises when the GCS does not answer.
     """
 
-    def __init__(self, gcs_address: str, timeout_s: float = GCS_TIMEOUT_S):
+    def __init__(
+        self, gcs_address: str, server_key: bytes | None, timeout_s: float = GCS_TIMEOUT_S
+    ):
         self.gcs_address = gcs_address
+        self.server_key = server_key
         self.timeout_s = timeout_s
         self.reads = 0
         self._client: Any = None
@@ -48,8 +57,7 @@ class MeshDirectory:
         raw = self._read(ENDPOINT_KEY)
         if raw is None:
             raise RuntimeError(f"no kvmesh service is kept in the GCS at {self.gcs_address}")
-        info = msgpack.unpackb(raw)
-        return ServiceEndpoint(info["address"], info["server_key"])
+        return ServiceEndpoint(msgpack.unpackb(raw)["address"], self.server_key)
 
     def enrolled_publics(self) -> frozenset[bytes]:
         """The public keys of the engines enrolled in the mesh (`LateKeys`'s fetch)."""
