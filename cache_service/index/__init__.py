@@ -17,10 +17,11 @@ the tier of each page (w2's page 8 went down to its disk as page 1008):
 The package, along the index's seams (`GlobalIndex` is the thin facade over them):
 
 - `keys`: chained prefix keys, one 64-bit key per page naming its whole prefix;
-- `_compiled` (C++, `csrc/`): the key table, key -> node ids, open addressing in two
-  flat arrays;
+- `_compiled` (C++, `csrc/`, built by the package's install): the key table (key ->
+  node ids, open addressing in two flat arrays), the key sums, and the match walk over
+  the node columns;
 - `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access);
-- `walk`: the match walk, by runs of consecutive node ids;
+- `walk`: the match walk, by runs of consecutive node ids (compiled; its `Path`);
 - `holders`: who holds each node (page id, generation, tier), in four inline columns and
   a side dict;
 - `chains`: storing, demoting and dropping workers' chains of pages;
