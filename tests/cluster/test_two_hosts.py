@@ -83,6 +83,21 @@ class Host:
             cwd=ROOT,
         )  # fmt: skip
 
+    def kill_all(self) -> None:
+        """SIGKILL every process in this namespace (`ip netns pids`), and wait until
+        none is left."""
+        for _ in range(50):
+            out = subprocess.run(
+                ["ip", "netns", "pids", self.namespace], capture_output=True, text=True
+            ).stdout.split()
+            if not out:
+                return
+            for pid in out:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.2)
+        raise AssertionError(f"processes outlived SIGKILL in {self.namespace}: {out}")
+
     def link(self, state: str) -> None:
         """Take this host's end of the veth pair "down" or "up" (a cut cable, mended)."""
         subprocess.run(
@@ -141,22 +156,36 @@ class TwoHosts:
         self._ray(self.a, "head", ray + ["--head", f"--port={RAY_PORT}",
                   f"--node-ip-address={self.a.address}", f"--temp-dir={self.temp_dir}",
                   "--include-dashboard=false"])  # fmt: skip
-        self._wait_for_nodes(1)
         self._ray(self.b, "node", ray + [f"--address={self.ray_address}",
                   f"--node-ip-address={self.b.address}"])  # fmt: skip
-        self._wait_for_nodes(2)
 
-    def _ray(self, host: Host, name: str, argv: list[str]) -> None:
-        with open(self.logs / f"ray-{name}.log", "w") as log:
-            self.rays.append(
-                subprocess.Popen(
-                    host.command(*argv),
-                    env=self.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
+    def _ray(self, host: Host, name: str, argv: list[str], tries: int = 3) -> None:
+        """Start a Ray node in `host` and wait until the cluster has it. Ray gives a new
+        node's raylet 30 s to register with the GCS (a constant in ray/_private/node.py);
+        on this 2-core machine, beside another test's vLLM engines, a start can take
+        longer, and then `ray start` exits with "timed out during startup". A start that
+        fails is cleared away (every process in the host's namespace) and tried again, up
+        to `tries` times."""
+        for attempt in range(1, tries + 1):
+            with open(self.logs / f"ray-{name}.log", "w") as log:
+                self.rays.append(
+                    subprocess.Popen(
+                        host.command(*argv),
+                        env=self.env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+            try:
+                self._wait_for_nodes(len(self.rays))
+                return
+            except AssertionError as failure:
+                if attempt == tries:
+                    raise
+                host.kill_all()  # that start and what it left running (its GCS, its raylet)
+                self.rays.pop().wait()
+                print(f"Ray {name}, try {attempt}: {str(failure)[:200]}; again", flush=True)
 
     def _wait_for_nodes(self, count: int, timeout_s: float = 90) -> None:
         probe = (
