@@ -38,13 +38,10 @@ class PrefixKeys:
     Args:
         page_tokens: tokens per page.
 
-    Attributes (the compiled calls, bound):
+    Attributes (the compiled call, bound):
         chain_keys(start, depth, data): the int64 keys of the full pages of packed tokens
             `data`, hung below a node of key `start` at page depth `depth`.
-        page_key(parent_key, depth, data): the key of prompt page `depth` of `data` as a
-            child of a node of `parent_key`.
-        Both raise ValueError for a prompt longer than any key reaches (2**26 tokens), and
-        page_key for a page `data` does not have.
+        It raises ValueError for a prompt longer than any key reaches (2**26 tokens).
     """
 
     def __init__(self, page_tokens: int):
@@ -52,7 +49,6 @@ class PrefixKeys:
         self._secret = int.from_bytes(os.urandom(8), "little")
         compiled = _chain_keys(page_tokens, self._secret)
         self.chain_keys = compiled.chain_keys
-        self.page_key = compiled.page_key
         self.compiled = compiled
 
     def root_key(self, namespace: Namespace) -> int:

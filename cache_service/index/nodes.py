@@ -165,17 +165,9 @@ class Nodes:
         self.free.append(node)
 
     def child(self, parent: int, key: int, tokens: bytes) -> int | None:
-        """The child of `parent` whose page is exactly `tokens`, found through its key."""
-        if self.first_child[parent] == NONE:  # e.g. the next page of a new chain
-            return None
-        size, parents, token_bytes = self.page_bytes, self.parent, self.token_bytes
-        for node in self.table.candidates(key):
-            if (
-                parents[node] == parent
-                and token_bytes[node * size : (node + 1) * size].tobytes() == tokens
-            ):
-                return node
-        return None
+        """The child of `parent` whose page is exactly `tokens`, found through its key (the
+        walk's own lookup, compiled)."""
+        return self.view.child(parent, key, tokens)
 
     def is_ancestor_or_self(self, ancestor: int, node: int) -> bool:
         while node != NONE:

@@ -44,7 +44,6 @@ class MeshDirectory:
         self.gcs_address = gcs_address
         self.server_key = server_key
         self.timeout_s = timeout_s
-        self.reads = 0
         self._client: Any = None
         self._lock = threading.Lock()
 
@@ -73,5 +72,4 @@ class MeshDirectory:
                 from ray._raylet import GcsClient  # the client Ray's own daemons use
 
                 self._client = GcsClient(address=self.gcs_address)
-            self.reads += 1
             return self._client.internal_kv_get(key, RAY_NAMESPACE.encode(), timeout=self.timeout_s)

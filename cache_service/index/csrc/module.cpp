@@ -17,8 +17,10 @@ namespace {
 
 PyObject* frombuffer = nullptr;  // numpy.frombuffer: arrays out, without numpy's headers
 
-// A writable int64 numpy array over `bytes` (a bytearray); steals the reference to it.
-PyObject* int64_array(PyObject* bytes) {
+// A writable int64 numpy array holding a copy of `count` values.
+PyObject* int64_array(const void* values, std::size_t count) {
+  PyObject* bytes = PyByteArray_FromStringAndSize(static_cast<const char*>(values),
+                                                  static_cast<Py_ssize_t>(count * 8));
   if (bytes == nullptr) return nullptr;
   PyObject* array = PyObject_CallFunction(frombuffer, "Os", bytes, "<i8");
   Py_DECREF(bytes);
@@ -146,8 +148,7 @@ PyObject* table_find_run(PyObject* object, PyObject* arg) {
   PyBuffer_Release(&view);
   std::vector<int64_t> nodes(count);
   std::size_t run = self->table->find_run(keys.data(), count, nodes.data());
-  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(nodes.data()),
-                                                   static_cast<Py_ssize_t>(run * 8)));
+  return int64_array(nodes.data(), run);
 }
 
 PyObject* table_check(PyObject* object, PyObject*) {
@@ -162,11 +163,9 @@ PyObject* table_check(PyObject* object, PyObject*) {
   }
   if (!wrong.empty()) return PyErr_Format(PyExc_AssertionError, "%s", wrong.c_str());
   std::vector<int64_t> wide(nodes.begin(), nodes.end());
-  PyObject* key_array = int64_array(PyByteArray_FromStringAndSize(
-      reinterpret_cast<const char*>(keys.data()), static_cast<Py_ssize_t>(keys.size() * 8)));
+  PyObject* key_array = int64_array(keys.data(), keys.size());
   if (key_array == nullptr) return nullptr;
-  PyObject* node_array = int64_array(PyByteArray_FromStringAndSize(
-      reinterpret_cast<const char*>(wide.data()), static_cast<Py_ssize_t>(wide.size() * 8)));
+  PyObject* node_array = int64_array(wide.data(), wide.size());
   if (node_array == nullptr) {
     Py_DECREF(key_array);
     return nullptr;
@@ -292,8 +291,7 @@ PyObject* keys_chain(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   });
   PyBuffer_Release(&view);
   if (!done) return nullptr;
-  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
-                                                   static_cast<Py_ssize_t>(out.size() * 8)));
+  return int64_array(out.data(), out.size());
 }
 
 PyObject* keys_page(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
@@ -320,8 +318,7 @@ PyObject* keys_coefficients(PyObject* object, PyObject* arg) {
   const uint64_t* first = nullptr;
   if (!guarded([&] { first = keys->coefficients(static_cast<std::size_t>(count)); }))
     return nullptr;
-  return int64_array(PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(first),
-                                                   count * 8));
+  return int64_array(first, static_cast<std::size_t>(count));
 }
 
 PyMethodDef keys_methods[] = {
@@ -457,9 +454,7 @@ PyObject* view_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   PyBuffer_Release(&data);
   if (!done) return nullptr;
   if (path.listed) {
-    PyObject* nodes = int64_array(PyByteArray_FromStringAndSize(
-        reinterpret_cast<const char*>(path.nodes.data()),
-        static_cast<Py_ssize_t>(path.nodes.size() * 8)));
+    PyObject* nodes = int64_array(path.nodes.data(), path.nodes.size());
     if (nodes == nullptr) return nullptr;
     return Py_BuildValue("(n()N)", static_cast<Py_ssize_t>(path.length), nodes);
   }
@@ -477,7 +472,27 @@ PyObject* view_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(nNO)", static_cast<Py_ssize_t>(path.length), runs, Py_None);
 }
 
+PyObject* view_child(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<NodeViewObject*>(object);
+  int64_t parent, key;
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "child(parent, key, tokens) takes 3 arguments");
+  if (!as_key(args[0], &parent) || !as_key(args[1], &key)) return nullptr;
+  Py_buffer tokens;
+  if (PyObject_GetBuffer(args[2], &tokens, PyBUF_SIMPLE) != 0) return nullptr;
+  int64_t node = kvmesh::kNone;
+  if (static_cast<std::size_t>(tokens.len) == self->columns.page_bytes)
+    node = self->walker->child(parent, key, static_cast<const char*>(tokens.buf));
+  PyBuffer_Release(&tokens);
+  if (node == kvmesh::kNone) Py_RETURN_NONE;
+  return PyLong_FromLongLong(node);
+}
+
 PyMethodDef view_methods[] = {
+    {"child", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_child)),
+     METH_FASTCALL,
+     "child(parent, key, tokens) -> node or None: the child of `parent` whose page is "
+     "exactly `tokens` (one page), found through its key."},
     {"walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_walk)),
      METH_FASTCALL,
      "walk(root, data, max_runs, allocated, max_depth) -> (length, runs, nodes): the path "
