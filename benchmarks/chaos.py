@@ -17,12 +17,15 @@ Phases (`duration_s` of workload, split by PHASES, plus the waits they need):
 - recovery: no faults; wait until the front door has every worker live again and the
   service reports them all, then `hit_rate_after_recovery` is measured as before;
 - outage: the workload stops; a few prompts are computed on every worker (so whichever
-  worker a routed request lands on holds them), then sent in a loop, one at a time: for
-  UP_S with the service up, for OUTAGE_S while it is unreachable (its process stopped with
-  SIGSTOP, as a hung or cut-off service would be, then continued), and for OUTAGE_S right
-  after a restart (`ray.kill`). `outage_slowdown` is the median request time (wall time
-  around `mesh.generate`) while stopped / while up, `restart_slowdown` the same after the
-  restart, each over the requests whose every full page was a local hit: the outage's
+  worker a routed request lands on holds them), then sent in a loop, one at a time, in
+  OUTAGE_ROUNDS rounds of UP_S with the service up then OUTAGE_S while it is unreachable
+  (its process stopped with SIGSTOP, as a hung or cut-off service would be, then
+  continued, and the workers seen asking it again before the next round), and for
+  OUTAGE_S right after a restart (`ray.kill`). The rounds interleave the two windows so
+  that a burst of load from elsewhere on the machine falls on both alike.
+  `outage_slowdown` is the median request time (wall time around `mesh.generate`) while
+  stopped / while up, over all rounds, `restart_slowdown` the same after the restart
+  against up, each over the requests whose every full page was a local hit: the outage's
   overhead, not lost reuse. (A prompt's tail short of a page is cached nowhere, so the
   worker still asks the service about it: that is part of what an outage costs.)
 
@@ -187,8 +190,9 @@ INJECTED_ERRORS = (
     ("injected:", "injected"),
 )
 RECOVERY_TIMEOUT_S = 120.0
-OUTAGE_S = 4.0  # the service stopped this long
-UP_S = 3.0  # the same requests measured with the service up, just before
+OUTAGE_ROUNDS = 3  # of (service up, service stopped)
+OUTAGE_S = 2.5  # the service stopped this long in a round (its first request waits a timeout)
+UP_S = 1.5  # the same requests measured with the service up, just before
 OUTAGE_PROMPTS = 6
 REPLY_WAIT_S = 3.0  # for an error reply to a malformed frame
 SILENCE_WAIT_S = 1.0  # listening for a reply that must not come
@@ -980,16 +984,23 @@ def _measure_outage(mesh, workload: Workload, chaos: Chaos, log) -> dict[str, An
     worker's own cache."""
     probes = _outage_prompts(mesh, workload)
     print(
-        f"phase outage: {UP_S:.0f}s with the service up, {OUTAGE_S:.0f}s stopped, "
-        f"{OUTAGE_S:.0f}s after a restart",
+        f"phase outage: {OUTAGE_ROUNDS} rounds of {UP_S:.1f}s with the service up and "
+        f"{OUTAGE_S:.1f}s stopped, then {OUTAGE_S:.1f}s after a restart",
         file=log,
     )
-    up = _loop(workload, probes, "up", UP_S)
-    skipped = mesh.service_client.skipped
-    paused = _while_paused(workload, probes)
-    skipped = mesh.service_client.skipped - skipped
-    chaos.faults["service_pause"] += 1
-    _await_recovery(mesh, chaos.client, log)
+    up: list[Record] = []
+    paused: list[Record] = []
+    skipped = 0
+    for _ in range(OUTAGE_ROUNDS):
+        up += _loop(workload, probes, "up", UP_S)
+        before = mesh.service_client.skipped
+        paused += _while_paused(workload, probes)
+        skipped += mesh.service_client.skipped - before
+        chaos.faults["service_pause"] += 1
+        _await_recovery(mesh, chaos.client, log)
+        # Request-path clients ask the service again once a heartbeat has reached it
+        # (each publisher round): the next up window must not run on skipped calls.
+        time.sleep(3 * mesh.config.workers.publish_interval_s)
     ray.kill(get_service(), no_restart=False)
     chaos.faults["service_restart"] += 1
     restarted = _loop(workload, probes, "restart", OUTAGE_S)
