@@ -12,7 +12,10 @@ setup(
         Extension(
             "cache_service.index._compiled",
             sources=["cache_service/index/csrc/module.cpp"],
-            depends=["cache_service/index/csrc/key_table.hpp"],
+            depends=[
+                f"cache_service/index/csrc/{name}.hpp"
+                for name in ("chain_keys", "key_table", "trie", "walk")
+            ],
             language="c++",
             extra_compile_args=["-std=c++17", "-O2"],
         )

@@ -30,8 +30,7 @@ from cache_service.events import (
     PagesRemoved,
     PagesStored,
 )
-from cache_service.index.holders import Holders
-from cache_service.index.nodes import NONE, Nodes
+from cache_service.index.nodes import Nodes
 from cache_service.index.registry import Worker
 from cache_service.tokens import INT32_MAX, pack_tokens
 
@@ -40,13 +39,14 @@ TIER_INDEX = {name: index for index, name in enumerate(TIERS)}
 
 
 class Chains:
-    """Stores, moves and drops holdings over the node and holder columns, and counts what
-    the events did: pages removed by (tier index, reason), pages demoted into each tier,
-    and page ids named for removal or demotion that the worker did not hold."""
+    """Stores, moves and drops holdings (in the compiled trie, over the node and holder
+    columns), and counts what the events did: pages removed by (tier index, reason),
+    pages demoted into each tier, and page ids named for removal or demotion that the
+    worker did not hold."""
 
-    def __init__(self, nodes: Nodes, holders: Holders):
+    def __init__(self, nodes: Nodes):
         self._nodes = nodes
-        self._holders = holders
+        self._trie = nodes.trie
         self.removed: dict[tuple[int, str], int] = {}
         self.demoted = [0] * len(TIERS)
         self.unknown_pages = 0
@@ -66,7 +66,11 @@ class Chains:
                 if failure is not None:
                     return failure
             elif isinstance(event, PagesRemoved):
-                self.drop_pages(worker, event.page_ids, event.reason)
+                self._settle(
+                    worker,
+                    self._trie.drop_pages(worker.pages, worker.slot, event.page_ids),
+                    event.reason,
+                )
             elif isinstance(event, PagesDemoted):
                 failure = self.demote(worker, event)
                 if failure is not None:
@@ -91,36 +95,26 @@ class Chains:
             return None
         if not worker.room_for(event.page_ids):
             return "over_capacity"
-        nodes, holders = self._nodes, self._holders
+        nodes = self._nodes
         if event.parent_page is None:
             parent = nodes.root(event.namespace)
         else:
             parent = worker.pages.get(event.parent_page)
             if parent is None:
                 return "unknown_parent"
-        keys = nodes.keys.chain_keys(nodes.key[parent], nodes.depth[parent], data).tolist()
-        # The worker's column on the parent is its column all along the chain.
-        column = None if event.parent_page is None else holders.column_of(parent, worker.slot)
-        size = nodes.page_bytes
-        tier = TIER_INDEX[event.tier]
-        for i, (page, generation) in enumerate(zip(event.page_ids, event.generations, strict=True)):
-            tokens = data[i * size : (i + 1) * size]
-            node = nodes.child(parent, keys[i], tokens)
-            old = worker.pages.get(page)
-            if old is not None and old != node:
-                # The worker reused the page id: what it held there (and beneath) is gone.
-                if nodes.is_ancestor_or_self(old, parent):
-                    return "page_conflict"
-                self.drop_subtree(worker, old)
-                if i == 0 and event.parent_page is None:  # the drop may have pruned the root
-                    parent = nodes.root(event.namespace)
-                node = nodes.child(parent, keys[i], tokens)
-            if node is None:
-                node = nodes.new_node(parent, keys[i], tokens)
-            column = self._hold(worker, node, page, generation, tier, column)
-            nodes.last_access[node] = clock
-            parent = node
-        return None
+        nodes.reserve(len(event.page_ids))
+        written = self._trie.store(
+            worker.pages,
+            worker.slot,
+            parent,
+            data,
+            event.page_ids,
+            event.generations,
+            TIER_INDEX[event.tier],
+            clock,
+        )
+        self._settle(worker, written)
+        return None if written[0] else "page_conflict"
 
     def demote(self, worker: Worker, event: PagesDemoted) -> str | None:
         """Move each named holding of the worker in place to its new page id, generation
@@ -131,102 +125,46 @@ class Chains:
             the page it is to name (the moves before it stay made).
         """
         tier = TIER_INDEX[event.tier]
-        pages = worker.pages
-        moves = zip(event.page_ids, event.new_page_ids, event.generations, strict=True)
-        for old, new, generation in moves:
-            node = pages.get(old)
-            if node is None:
-                self.unknown_pages += 1
-                continue
-            taken = pages.get(new)
-            if taken is not None and taken != node:
-                # The worker reused the id: what it held there (and beneath) is gone.
-                if self._nodes.is_ancestor_or_self(taken, node):
-                    return "page_conflict"
-                self.drop_subtree(worker, taken)
-            self._hold(worker, node, new, generation, tier, None)
-            self.demoted[tier] += 1
-        return None
-
-    def _hold(
-        self, worker: Worker, node: int, page: int, generation: int, tier: int, column: int | None
-    ) -> int:
-        """Record the worker's holding of `node` (see `Holders.add`); its column."""
-        column, previous = self._holders.add(node, worker.slot, page, generation, tier, column)
-        tier_pages = worker.tier_pages
-        if previous is not None:
-            old_page, old_tier = previous
-            tier_pages[old_tier] -= 1
-            if old_page != page:
-                # The worker holds this prefix under a new page id now; newest wins.
-                worker.pages.pop(old_page)
-        tier_pages[tier] += 1
-        worker.pages.set(page, node)
-        # It holds a page in `tier` now: all its pages are in one tier only if in that one.
-        worker.only_tier = tier if tier_pages[tier] == worker.pages.size else None
-        return column
-
-    def _release(self, worker: Worker, node: int, reason: str | None) -> None:
-        """Take the worker's holding off `node`, counting it under `reason` (None: a drop
-        no event asked for, e.g. a page id reused or a worker gone)."""
-        page, tier = self._holders.remove(node, worker.slot)
-        worker.pages.pop(page)
-        worker.tier_pages[tier] -= 1
-        if worker.only_tier is None:  # one page less may leave the rest in one tier
-            worker.only_tier = worker.single_tier()
-        if reason is not None:
-            key = (tier, reason)
-            self.removed[key] = self.removed.get(key, 0) + 1
+        written = self._trie.demote(
+            worker.pages,
+            worker.slot,
+            event.page_ids,
+            event.new_page_ids,
+            event.generations,
+            tier,
+        )
+        self.demoted[tier] += written[3]
+        self._settle(worker, written)
+        return None if written[0] else "page_conflict"
 
     def drop_subtree(self, worker: Worker, top: int, reason: str | None = None) -> int:
         """Drop the worker's holdings of `top` and of everything it holds beneath it."""
-        nodes, holders = self._nodes, self._holders
-        held, stack = [], [top]
-        while stack:
-            node = stack.pop()
-            if holders.column_of(node, worker.slot) is None:
-                continue  # prefix-closed: nothing of the worker's below either
-            held.append(node)
-            child = nodes.first_child[node]
-            while child != NONE:
-                stack.append(child)
-                child = nodes.next_sibling[child]
-        for node in reversed(held):  # children before parents, so pruning climbs once
-            self._release(worker, node, reason)
-            self._prune(node)
-        return len(held)
+        written = self._trie.drop_subtree(worker.pages, worker.slot, top, reason is not None)
+        self._settle(worker, written, reason)
+        return written[0]
 
     def drop_all(self, worker: Worker, reason: str | None = None) -> int:
         """Drop every holding of the worker, pruning nodes left empty."""
-        held = worker.pages.items()
-        # Any order works: a node emptied here has no holders below it (prefix closure),
-        # so it is released when the last of its children is, whichever comes last.
-        for _, node in held:
-            self._release(worker, node, reason)
-            self._prune(node)
+        written = self._trie.drop_all(worker.pages, worker.slot, reason is not None)
+        self._settle(worker, written, reason)
         assert worker.pages.size == 0 and not any(worker.tier_pages), "a holding outlived all"
-        worker.pages.clear()
-        return len(held)
+        return written[0]
 
-    def drop_pages(self, worker: Worker, page_ids: Sequence[int], reason: str) -> None:
-        """Drop the named pages of the worker (and what it holds below them); unknown
-        pages are skipped (and counted)."""
-        for page in page_ids:
-            node = worker.pages.get(page)
-            if node is None:
-                self.unknown_pages += 1
-            else:
-                self.drop_subtree(worker, node, reason)
-
-    def _prune(self, node: int) -> None:
-        """Remove `node` and then its ancestors while they have no holders and no children."""
-        nodes, count = self._nodes, self._holders.count
-        while count[node] == 0 and nodes.first_child[node] == NONE:
-            parent = nodes.parent[node]
-            nodes.release(node)
-            if parent == NONE:
-                return
-            node = parent
+    def _settle(self, worker: Worker, written: tuple, reason: str | None = None) -> None:
+        """Take in what a compiled write did: the worker's pages per tier, the removals
+        counted under `reason`, the ids it did not hold; free the roots it emptied."""
+        _, tier_delta, removed, _, unknown = written
+        held = zip(worker.tier_pages, tier_delta, strict=True)
+        worker.tier_pages = [pages + delta for pages, delta in held]
+        # All its pages are in one tier only if they are all in that one.
+        worker.only_tier = worker.single_tier()
+        self.unknown_pages += unknown
+        if reason is not None:
+            for tier, pages in enumerate(removed):
+                if pages:
+                    key = (tier, reason)
+                    self.removed[key] = self.removed.get(key, 0) + pages
+        self._nodes.release_emptied_roots()
 
 
 def check_event(event: KvEvent, page_tokens: int) -> bytes | None:

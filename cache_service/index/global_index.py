@@ -99,9 +99,9 @@ class GlobalIndex(ThreadOwned):
         self._policies: dict[str, RoutingPolicy] = {}  # by name, made on first use
         self._keys = PrefixKeys(page_tokens)
         self._holders = Holders()
-        self._nodes = Nodes(page_tokens, self._keys, self._holders.grow)
+        self._nodes = Nodes(page_tokens, self._keys, self._holders)
         self._nodes.grow(64)
-        self._chains = Chains(self._nodes, self._holders)
+        self._chains = Chains(self._nodes)
         self._registry = Registry(max_workers, max_capacity)
         self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match

@@ -1,14 +1,15 @@
-"""Who holds each node: four inline holder columns per node and a side dict for more.
+"""Who holds each node: four inline holder columns per node, and more beside them.
 
 A holding is (worker slot, the worker's page id, the page's generation, the page's tier:
 its index into `events.TIERS`). A worker holds a node once, in whichever tier it named
-last (see `chains`). A worker keeps
-one column along its whole path: the column of a page's holding is the column of its
-parent's holding, and only a first page picks a free column. Two workers never compete for
-a column (the one already there would hold the parent in that column too), so along a
-prompt column c belongs to one worker, and a span is a slice (or gather) of column c over
-the matched nodes. Each worker's holdings are prefix-closed (it holds a page only with its
-parent), so along one prompt every holder holds a leading run of the matched pages.
+last (see `chains`); the holders past the inline columns are kept by the compiled trie
+(csrc/trie.hpp), which makes every write. A worker keeps one column along its whole path:
+the column of a page's holding is the column of its parent's holding, and only a first
+page picks a free column. Two workers never compete for a column (the one already there
+would hold the parent in that column too), so along a prompt column c belongs to one
+worker, and a span is a slice (or gather) of column c over the matched nodes. Each
+worker's holdings are prefix-closed (it holds a page only with its parent), so along one
+prompt every holder holds a leading run of the matched pages.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import numpy as np
 
 from cache_service.events import TIERS
+from cache_service.index._compiled import Trie
 from cache_service.index.nodes import NONE, grown
 from cache_service.index.walk import Path
 from cache_service.messages import HolderSpan, PackedSpan
@@ -33,17 +35,18 @@ _new_tuple = tuple.__new__
 
 
 class Holders:
-    """The holder columns of every node, grown with the node columns (`grow`)."""
+    """The holder columns of every node, grown with the node columns (`grow`), and
+    the reads of holdings. The writes run in the compiled trie (`trie`, set by the `Nodes`
+    these columns grow with), which also keeps the holders beyond the inline columns."""
 
     def __init__(self) -> None:
+        self.trie: Trie | None = None
         self.count_arr = np.zeros(0, np.int16)  # inline + side-dict holders of each node
         # (nodes, columns), so the spans of one path share cache lines.
         self.slot_arr = np.zeros((0, INLINE_HOLDERS), np.int16)  # NONE: empty
         self.page_arr = np.zeros((0, INLINE_HOLDERS), np.int32)
         self.generation_arr = np.zeros((0, INLINE_HOLDERS), np.int64)
         self.tier_arr = np.zeros((0, INLINE_HOLDERS), np.uint8)  # an index into TIERS
-        # Holders beyond the inline columns: node -> [(slot, page, generation, tier)].
-        self.extra: dict[int, list[tuple[int, int, int, int]]] = {}
 
     def grow(self, capacity: int) -> None:
         """Extend the columns to `capacity` nodes and rebind the views."""
@@ -64,16 +67,13 @@ class Holders:
         self.tier = [memoryview(column) for column in self.tier_cols]
 
     def column_of(self, node: int, slot: int) -> int | None:
-        """The column of the worker's holding on `node` (EXTRA: the side dict); None: none."""
-        if self.count[node] == 0:
-            return None
-        for column, slots in enumerate(self.slot):
-            if slots[node] == slot:
-                return column
-        for held_by, _, _, _ in self.extra.get(node, ()):
-            if held_by == slot:
-                return EXTRA
-        return None
+        """The column of the worker's holding on `node` (EXTRA: beside the columns); None:
+        it holds none."""
+        return self.trie.column_of(node, slot)
+
+    def extra(self, node: int) -> tuple[tuple[int, int, int, int], ...]:
+        """The holders of `node` beyond its inline columns: (slot, page, generation, tier)."""
+        return self.trie.extra(node)
 
     def holding(self, node: int, slot: int) -> tuple[int, int, int] | None:
         """The worker's (page id, generation, tier) for `node`; None when it does not hold it."""
@@ -82,70 +82,7 @@ class Holders:
             return None
         if column < EXTRA:
             return self.page[column][node], self.generation[column][node], self.tier[column][node]
-        return next(holder[1:] for holder in self.extra[node] if holder[0] == slot)
-
-    def add(
-        self,
-        node: int,
-        slot: int,
-        page: int,
-        generation: int,
-        tier: int,
-        parent_column: int | None,
-    ) -> tuple[int, tuple[int, int] | None]:
-        """Record that the worker in `slot` holds `node` as `page` in `tier`.
-
-        `parent_column` is the worker's column on the node's parent (None for a first
-        page, or for a node it holds already): its column here too, and free here (see the
-        module docstring).
-
-        Returns:
-            (the column it holds the node in, (the page id, tier) it held the node as
-            before, or None when it did not hold it).
-        """
-        previous = None
-        column = self.column_of(node, slot)
-        assert column is None or parent_column in (None, column), f"{column} != {parent_column}"
-        if column is None:
-            self.count[node] += 1
-            column = parent_column
-            if column is None:  # a first page: any free column will do
-                column = next(
-                    (c for c, slots in enumerate(self.slot) if slots[node] == NONE), EXTRA
-                )
-        elif column < EXTRA:
-            previous = self.page[column][node], self.tier[column][node]
-        if column < EXTRA:
-            assert self.slot[column][node] in (NONE, slot), f"column {column} taken"
-            self.slot[column][node] = slot
-            self.page[column][node] = page
-            self.generation[column][node] = generation
-            self.tier[column][node] = tier
-        else:
-            extra = self.extra.setdefault(node, [])
-            for i, (held_by, held, _, held_tier) in enumerate(extra):
-                if held_by == slot:
-                    previous = held, held_tier
-                    extra[i] = (slot, page, generation, tier)
-                    break
-            else:
-                extra.append((slot, page, generation, tier))
-        return column, previous
-
-    def remove(self, node: int, slot: int) -> tuple[int, int]:
-        """Take the worker's holding off a node; its (page id, tier)."""
-        column = self.column_of(node, slot)
-        assert column is not None, f"slot {slot} holds nothing on node {node}"
-        self.count[node] -= 1
-        if column < EXTRA:
-            self.slot[column][node] = NONE
-            return self.page[column][node], self.tier[column][node]
-        extra = self.extra[node]
-        i = next(i for i, holder in enumerate(extra) if holder[0] == slot)
-        _, page, _, tier = extra.pop(i)
-        if not extra:
-            del self.extra[node]
-        return page, tier
+        return next(holder[1:] for holder in self.extra(node) if holder[0] == slot)
 
     def holdings(self, path: Path) -> list[tuple[int, int, int]]:
         """(slot, pages held, column) of every holder of the first node of a path.
@@ -169,7 +106,7 @@ class Holders:
             else:
                 held = int(np.count_nonzero(self.slot_cols[column][nodes] == slot))
             holdings.append((slot, held, column))
-        for slot, _, _, _ in self.extra.get(first, ()):
+        for slot, _, _, _ in self.extra(first):
             held = 1
             while held < length and self.column_of(path.node(held), slot) == EXTRA:
                 held += 1
@@ -228,7 +165,7 @@ class Holders:
             generations = tuple(g for part in generation_parts for g in part.tolist())
         else:
             found = [
-                next(holder for holder in self.extra[path.node(i)] if holder[0] == slot)
+                next(holder for holder in self.extra(path.node(i)) if holder[0] == slot)
                 for i in range(held)
             ]
             page_ids = tuple(holder[1] for holder in found)
@@ -264,7 +201,7 @@ class Holders:
                 tiers = codes[nodes[:held]].tobytes()
         else:
             tiers = bytes(
-                next(holder for holder in self.extra[path.node(i)] if holder[0] == slot)[3]
+                next(holder for holder in self.extra(path.node(i)) if holder[0] == slot)[3]
                 for i in range(held)
             )
         first = tiers[:1]

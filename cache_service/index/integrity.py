@@ -5,7 +5,7 @@
   out; the `chained` flag says whether a node's parent is node id - 1;
 - every page node is in the key table once, under its key, and its key and depth follow
   from its parent's and its own tokens;
-- holder counts match the inline columns and the side dict; no node survives without a
+- holder counts match the inline columns and the holders beyond them; no node survives without a
   holder; no dead slot holds anything; every holding's tier is one of TIERS; each worker's
   holdings are prefix-closed and column-consistent; the workers' reverse page maps list
   exactly their holdings, and their pages per tier count them.
@@ -106,7 +106,8 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
     slots = holders.slot_arr[pages].T  # (columns, pages)
     inline = (slots != NONE).sum(0)
     extra = np.zeros(len(pages), np.int64)
-    for node, held in holders.extra.items():
+    extras = {node: holders.extra(node) for node in holders.trie.extra_nodes()}
+    for node, held in extras.items():
         assert held, f"node {node} has an empty extra-holder list"
         where = np.searchsorted(pages, node)
         assert where < len(pages) and pages[where] == node, f"free node {node} has holders"
@@ -130,7 +131,7 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
     parent_slots = holders.slot_arr[parents].T
     closed = (slots == NONE) | (slots == parent_slots) | ~below
     assert closed.all(), "a worker holds a page but not its parent in the same column"
-    for node, held in holders.extra.items():
+    for node, held in extras.items():
         held_by = [holder[0] for holder in held]
         assert len(set(held_by)) == len(held_by), f"node {node}: a worker holds it twice"
         assert all(0 <= holder[3] < len(TIERS) for holder in held), f"node {node}: a bad tier"
@@ -141,7 +142,7 @@ def _check_holders(nodes: Nodes, holders: Holders, registry: Registry, pages: np
             )
             parent = nodes.parent[node]
             assert nodes.depth[node] == 1 or holders.column_of(parent, slot) == EXTRA, (
-                f"slot {slot} holds node {node} in the side dict but not its parent"
+                f"slot {slot} holds node {node} beside the columns but not its parent"
             )
     return int(counts.sum())
 

@@ -14,18 +14,14 @@ tier, so a match knows without a look when all of them are in one.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from cache_service.events import TIERS
-from cache_service.index.nodes import NONE
+from cache_service.index._compiled import PageMap
 from cache_service.messages import PeerEntry
 
 MAX_SLOTS = 2**15 - 1  # worker slots are int16 in the holder columns
-# Page stores hand out small dense page ids (0..pool size), so a worker's page -> node map
-# is a flat int32 array up to this many pages (16 MiB at most) and a dict beyond it.
-_DENSE_PAGE_LIMIT = 1 << 22
 Z85_KEY_CHARS = 40  # a CurveZMQ public key as the mesh hands keys out
 # The capacity of a worker that registers without one (an older client, or a test that
 # registers by hand): what it may hold in the index, so that a key that does not say
@@ -68,56 +64,6 @@ class WorkerInfo(NamedTuple):
     capacity: int  # the most pages it may hold (as it registered, or DEFAULT_CAPACITY)
 
 
-class PageMap:
-    """One worker's page id -> node id map (the index's reverse map for that worker)."""
-
-    __slots__ = ("_dense", "_sparse", "size")
-
-    def __init__(self) -> None:
-        self._dense = array("i")  # page id -> node id, NONE where the page is unknown
-        self._sparse: dict[int, int] = {}  # page ids >= _DENSE_PAGE_LIMIT
-        self.size = 0
-
-    def get(self, page: int) -> int | None:
-        if page < _DENSE_PAGE_LIMIT:
-            if page < len(self._dense):
-                node = self._dense[page]
-                return None if node == NONE else node
-            return None
-        return self._sparse.get(page)
-
-    def set(self, page: int, node: int) -> None:
-        if page >= _DENSE_PAGE_LIMIT:
-            self.size += page not in self._sparse
-            self._sparse[page] = node
-            return
-        dense = self._dense
-        if page >= len(dense):
-            grown = min(max(page + 1, len(dense) + len(dense) // 2, 64), _DENSE_PAGE_LIMIT)
-            dense.extend(array("i", [NONE]) * (grown - len(dense)))
-        self.size += dense[page] == NONE
-        dense[page] = node
-
-    def pop(self, page: int) -> int | None:
-        node = self.get(page)
-        if node is not None:
-            self.size -= 1
-            if page < _DENSE_PAGE_LIMIT:
-                self._dense[page] = NONE
-            else:
-                del self._sparse[page]
-        return node
-
-    def items(self) -> list[tuple[int, int]]:
-        pairs = [(page, node) for page, node in enumerate(self._dense) if node != NONE]
-        return pairs + sorted(self._sparse.items())
-
-    def clear(self) -> None:
-        self._dense = array("i")
-        self._sparse = {}
-        self.size = 0
-
-
 class Worker:
     """A registered worker's state in the index."""
 
@@ -155,6 +101,8 @@ class Worker:
         self.last_seen = 0.0
         self.last_seq = 0
         self.desynced = False  # an event batch failed: refuse batches until a resync
+        # Page stores hand out small dense page ids (0..pool size), so the page -> node map
+        # is a flat int32 array up to 2**22 pages (16 MiB at most), a hash map beyond.
         self.pages = PageMap()
         self.tier_pages = [0] * len(TIERS)  # pages it holds in each tier, by tier index
         # The tier (index) of every page it holds when they are all in one, else None: what

@@ -6,7 +6,7 @@ of the following node ids as continue the chain (the `chained` flag) and hold th
 prompt's next pages. A 128-page prompt published at once is one run. A path fragmented
 into more than MAX_RUNS runs is finished with every remaining page's key at once (one
 pass over the tokens, a probe of the key table per key, one check of them all). The walk
-runs in compiled code over the node columns (`csrc/walk.hpp`, through `Nodes.view`).
+runs in compiled code over the node columns (`csrc/walk.hpp`, through `Nodes.trie`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ NO_PATH = Path(0, (), None)
 
 def walk(nodes: Nodes, root: int | None, data: bytes) -> Path:
     """The path of packed prompt `data` below `root` (None: the namespace has no root)."""
-    length, runs, listed = nodes.view.walk(root, data, MAX_RUNS, nodes.allocated, nodes.max_depth)
+    length, runs, listed = nodes.trie.walk(root, data, MAX_RUNS)
     if not length:
         return NO_PATH
     if listed is not None:

@@ -30,7 +30,7 @@ from cache_service.index import (
 )
 from cache_service.index import keys as keys_module
 from cache_service.index import walk as walk_module
-from cache_service.index._compiled import ChainKeys, KeyTable, NodeView
+from cache_service.index._compiled import ChainKeys, KeyTable
 from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
 from cache_service.tokens import pack_tokens
@@ -915,25 +915,68 @@ def test_chain_keys_refuse_what_they_cannot_key():
     assert all(k & 1 for k in keys.chain_keys(1, 3, data).tolist())  # odd from an odd root
 
 
-def test_the_compiled_walk_reads_only_columns_that_agree_and_nodes_inside_them():
+def columns(nodes, **changed):
+    """The 14 columns the trie attaches, in order, some replaced."""
+    holders = nodes._holders
+    named = {
+        "tokens": nodes.tokens_arr,
+        "parent": nodes.parent_arr,
+        "first_child": nodes.first_child_arr,
+        "next_sibling": nodes.next_sibling_arr,
+        "prev_sibling": nodes.prev_sibling_arr,
+        "key": nodes.key_arr,
+        "depth": nodes.depth_arr,
+        "last_access": nodes.last_access_arr,
+        "chained": nodes.chained_arr,
+        "count": holders.count_arr,
+        "slot": holders.slot_arr,
+        "page": holders.page_arr,
+        "generation": holders.generation_arr,
+        "tier": holders.tier_arr,
+    }
+    return [*{**named, **changed}.values()]
+
+
+def test_the_compiled_trie_reads_only_columns_that_agree_and_nodes_inside_them():
     index = GlobalIndex(page_tokens=P)
     index.register("a", "n1", now=0.0)
     apply_ok(index, "a", 1, stored((0, 1, 2), (1, 2, 3)))
     nodes = index._nodes
-    view = nodes.view
+    trie = nodes.trie
     data = pack_tokens(make_tokens(1, 2, 3))
-    assert view.walk(nodes.roots[NS], data, 4, nodes.allocated, nodes.max_depth)[0] == 3
+    assert trie.walk(nodes.roots[NS], data, 4)[0] == 3
     for root in (nodes.capacity, 2**40, -5):  # no such node: nothing is read, nothing found
-        assert view.walk(root, data, 4, nodes.allocated, nodes.max_depth)[0] == 0
+        assert trie.walk(root, data, 4)[0] == 0
     with pytest.raises(ValueError, match="negative"):
-        view.walk(nodes.roots[NS], data, -1, nodes.allocated, nodes.max_depth)
-    short = nodes.key_arr[:-1]
-    with pytest.raises(ValueError, match="different lengths"):
-        NodeView(nodes.tokens_arr, nodes.parent_arr, nodes.first_child_arr, nodes.chained_arr,
-                 short, nodes.table, nodes.keys.compiled)  # fmt: skip
+        trie.walk(nodes.roots[NS], data, -1)
+    with pytest.raises(ValueError, match="column key has 63 nodes, the others 64"):
+        trie.attach(*columns(nodes, key=nodes.key_arr[:-1]))
     with pytest.raises(TypeError, match="chained has 8-byte items"):
-        NodeView(nodes.tokens_arr, nodes.parent_arr, nodes.first_child_arr,
-                 nodes.parent_arr, nodes.key_arr, nodes.table, nodes.keys.compiled)  # fmt: skip
+        trie.attach(*columns(nodes, chained=nodes.parent_arr))
+    with pytest.raises(ValueError, match="columns shrank"):
+        trie.attach(*columns(nodes, **{name: column[:2] for name, column in zip(
+            ("tokens", "parent", "first_child", "next_sibling", "prev_sibling", "key", "depth",
+             "last_access", "chained", "count", "slot", "page", "generation", "tier"),
+            columns(nodes), strict=True)}))  # fmt: skip
+    pages = index._registry.workers["a"].pages
+    slot = index._registry.workers["a"].slot
+    before = index.stats()
+    # Nodes outside those handed out, page ids outside int32, tiers outside TIERS: refused
+    # before anything is written.
+    for bad_parent in (nodes.allocated, 2**40, -1):
+        with pytest.raises(ValueError, match="node id outside"):
+            trie.store(pages, slot, bad_parent, data[: 4 * P], [9], [1], 1, 0)
+    with pytest.raises(ValueError, match="page id must be in"):
+        trie.store(pages, slot, nodes.roots[NS], data[: 4 * P], [2**31], [1], 1, 0)
+    with pytest.raises(ValueError, match="tier outside"):
+        trie.store(pages, slot, nodes.roots[NS], data[: 4 * P], [9], [1], 7, 0)
+    with pytest.raises(ValueError, match="tokens for another count"):
+        trie.store(pages, slot, nodes.roots[NS], data, [9], [1], 1, 0)
+    with pytest.raises(ValueError, match="node id outside"):
+        trie.drop_subtree(pages, slot, 2**31 - 1, True)
+    with pytest.raises(TypeError, match="expected a PageMap"):
+        trie.drop_all({}, slot, True)
+    assert index.stats() == before
     index.check_integrity()
 
 

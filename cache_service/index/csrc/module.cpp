@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "chain_keys.hpp"
 #include "key_table.hpp"
+#include "trie.hpp"
 #include "walk.hpp"
 
 namespace {
@@ -262,7 +264,8 @@ bool key_depth_data(const char* method, PyObject* const* args, Py_ssize_t nargs,
   return PyObject_GetBuffer(args[2], view, PyBUF_SIMPLE) == 0;
 }
 
-// Runs `call`, turning the C++ exceptions of ChainKeys into Python's; false when it threw.
+// Runs `call`, turning the C++ exceptions of the index's parts into Python's: bad input
+// into ValueError, a broken invariant into AssertionError; false when it threw.
 template <typename Call>
 bool guarded(Call call) {
   try {
@@ -272,6 +275,10 @@ bool guarded(Call call) {
     PyErr_SetString(PyExc_ValueError, error.what());
   } catch (const std::out_of_range& error) {
     PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::invalid_argument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::logic_error& error) {
+    PyErr_SetString(PyExc_AssertionError, error.what());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
   }
@@ -346,110 +353,512 @@ PyGetSetDef keys_getset[] = {
 
 PyTypeObject ChainKeysType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
-// ---- NodeView: the walk over a Nodes object's columns ------------------------------
+// ---- PageMap: one worker's page id -> node map --------------------------------------
 
-struct NodeViewObject {
+struct PageMapObject {
   PyObject_HEAD
-  Py_buffer buffers[5];  // tokens, parent, first_child, chained, key
-  int held;              // buffers acquired so far
-  PyObject* table;       // the KeyTable and ChainKeys objects it walks with
-  PyObject* keys;
-  kvmesh::NodeColumns columns;
-  kvmesh::Walker* walker;
+  kvmesh::PageMap* map;
 };
 
-void view_dealloc(PyObject* object) {
-  auto* self = reinterpret_cast<NodeViewObject*>(object);
-  delete self->walker;
+PyTypeObject PageMapType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
+
+PyObject* map_new(PyTypeObject* type, PyObject*, PyObject*) {
+  auto* self = reinterpret_cast<PageMapObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->map = new (std::nothrow) kvmesh::PageMap();
+  if (self->map == nullptr) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void map_dealloc(PyObject* object) {
+  delete reinterpret_cast<PageMapObject*>(object)->map;
+  Py_TYPE(object)->tp_free(object);
+}
+
+PyObject* node_or_none(int64_t node) {
+  if (node == kvmesh::kNone) Py_RETURN_NONE;
+  return PyLong_FromLongLong(node);
+}
+
+PyObject* map_get(PyObject* object, PyObject* arg) {
+  auto* map = reinterpret_cast<PageMapObject*>(object)->map;
+  int64_t page, node = kvmesh::kNone;
+  if (!as_key(arg, &page) || !guarded([&] { node = map->get(page); })) return nullptr;
+  return node_or_none(node);
+}
+
+PyObject* map_pop(PyObject* object, PyObject* arg) {
+  auto* map = reinterpret_cast<PageMapObject*>(object)->map;
+  int64_t page, node = kvmesh::kNone;
+  if (!as_key(arg, &page) || !guarded([&] { node = map->pop(page); })) return nullptr;
+  return node_or_none(node);
+}
+
+PyObject* map_set(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* map = reinterpret_cast<PageMapObject*>(object)->map;
+  int64_t page, node;
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "set(page, node) takes 2 arguments");
+  if (!as_key(args[0], &page) || !as_key(args[1], &node)) return nullptr;
+  if (node < 0 || node > INT32_MAX)
+    return PyErr_Format(PyExc_ValueError, "a node id must be in [0, 2**31), got %lld",
+                        static_cast<long long>(node));
+  if (!guarded([&] { map->set(page, node); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* map_items(PyObject* object, PyObject*) {
+  auto* map = reinterpret_cast<PageMapObject*>(object)->map;
+  std::vector<std::pair<int64_t, int64_t>> items;
+  if (!guarded([&] { items = map->items(); })) return nullptr;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(items.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    PyObject* pair = Py_BuildValue("(LL)", static_cast<long long>(items[i].first),
+                                   static_cast<long long>(items[i].second));
+    if (pair == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), pair);
+  }
+  return out;
+}
+
+PyObject* map_clear(PyObject* object, PyObject*) {
+  reinterpret_cast<PageMapObject*>(object)->map->clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* map_size(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<PageMapObject*>(object)->map->size());
+}
+
+PyObject* map_nbytes(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<PageMapObject*>(object)->map->nbytes());
+}
+
+PyMethodDef map_methods[] = {
+    {"get", map_get, METH_O, "get(page) -> node or None."},
+    {"pop", map_pop, METH_O, "pop(page) -> node or None: the page's node, forgotten."},
+    {"set", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(map_set)), METH_FASTCALL,
+     "set(page, node): map the page to the node (the trie checks every node it reads)."},
+    {"items", map_items, METH_NOARGS, "items() -> [(page, node)], by page."},
+    {"clear", map_clear, METH_NOARGS, "clear(): forget every page."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef map_getset[] = {
+    {"size", map_size, nullptr, "pages mapped", nullptr},
+    {"nbytes", map_nbytes, nullptr, "bytes it holds (estimated for the hash part)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+// ---- Trie: the walk and the writes over a Nodes object's columns ----------------------
+
+constexpr int kColumns = 14;
+const char* const kColumnNames[kColumns] = {
+    "tokens", "parent",  "first_child", "next_sibling", "prev_sibling", "key",        "depth",
+    "last_access", "chained", "count", "slot", "page", "generation", "tier"};
+// Bytes an item, and items a node (0: page_bytes / itemsize, for the tokens).
+const Py_ssize_t kItemSize[kColumns] = {4, 8, 4, 4, 4, 8, 4, 8, 1, 2, 2, 4, 8, 1};
+const Py_ssize_t kPerNode[kColumns] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4};
+
+struct TrieObject {
+  PyObject_HEAD
+  Py_buffer buffers[kColumns];
+  int held;        // buffers acquired
+  PyObject* table;  // the KeyTable and ChainKeys objects it works with
+  PyObject* keys;
+  kvmesh::Trie* trie;
+  int tiers;
+};
+
+void release_buffers(TrieObject* self) {
   for (int i = 0; i < self->held; ++i) PyBuffer_Release(&self->buffers[i]);
+  self->held = 0;
+}
+
+void trie_dealloc(PyObject* object) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  delete self->trie;
+  release_buffers(self);
   Py_XDECREF(self->table);
   Py_XDECREF(self->keys);
   Py_TYPE(object)->tp_free(object);
 }
 
-// Acquire column `i` of the view: C-contiguous, `itemsize` bytes an item, at least
-// `count` items (0: any). False with an exception set when it is not such a buffer.
-bool column(NodeViewObject* self, int i, PyObject* array, const char* name, Py_ssize_t itemsize) {
-  if (PyObject_GetBuffer(array, &self->buffers[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
-    return false;
-  self->held = i + 1;
-  if (self->buffers[i].itemsize != itemsize) {
-    PyErr_Format(PyExc_TypeError, "NodeView: column %s has %zd-byte items, not %zd", name,
-                 self->buffers[i].itemsize, itemsize);
-    return false;
-  }
-  return true;
-}
-
-PyObject* view_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"tokens", "parent", "first_child", "chained",
-                                "key",    "table",  "keys",        nullptr};
-  PyObject *tokens, *parent, *first_child, *chained, *key, *table, *keys;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO!O!", const_cast<char**>(names),
-                                   &tokens, &parent, &first_child, &chained, &key,
-                                   &KeyTableType, &table, &ChainKeysType, &keys))
+PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"table", "keys", "tiers", nullptr};
+  PyObject *table, *keys;
+  int tiers;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!i", const_cast<char**>(names),
+                                   &KeyTableType, &table, &ChainKeysType, &keys, &tiers))
     return nullptr;
-  auto* self = reinterpret_cast<NodeViewObject*>(type->tp_alloc(type, 0));
+  if (tiers <= 0 || tiers > kvmesh::kMaxTiers)
+    return PyErr_Format(PyExc_ValueError, "tiers must be in [1, %d], got %d", kvmesh::kMaxTiers,
+                        tiers);
+  auto* self = reinterpret_cast<TrieObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  PyObject* object = reinterpret_cast<PyObject*>(self);
-  if (!column(self, 0, tokens, "tokens", 4) || !column(self, 1, parent, "parent", 8) ||
-      !column(self, 2, first_child, "first_child", 4) || !column(self, 3, chained, "chained", 1) ||
-      !column(self, 4, key, "key", 8)) {
-    Py_DECREF(object);
-    return nullptr;
-  }
-  Py_ssize_t capacity = self->buffers[1].len / 8;
-  auto* chain = reinterpret_cast<ChainKeysObject*>(keys)->keys;
-  auto page_bytes = static_cast<Py_ssize_t>(4 * chain->page_tokens());
-  if (self->buffers[2].len / 4 != capacity || self->buffers[3].len != capacity ||
-      self->buffers[4].len / 8 != capacity || self->buffers[0].len != capacity * page_bytes) {
-    Py_DECREF(object);
-    return PyErr_Format(PyExc_ValueError, "NodeView: columns of different lengths, or pages "
-                        "of another size than the keys' (%zd nodes)", capacity);
-  }
   Py_INCREF(table);
   Py_INCREF(keys);
   self->table = table;
   self->keys = keys;
-  self->columns = kvmesh::NodeColumns{
-      static_cast<const char*>(self->buffers[0].buf),
-      static_cast<const int64_t*>(self->buffers[1].buf),
-      static_cast<const int32_t*>(self->buffers[2].buf),
-      static_cast<const uint8_t*>(self->buffers[3].buf),
-      static_cast<const int64_t*>(self->buffers[4].buf),
-      static_cast<std::size_t>(capacity),
-      static_cast<std::size_t>(page_bytes)};
-  self->walker = new (std::nothrow) kvmesh::Walker(
-      self->columns, *reinterpret_cast<KeyTableObject*>(table)->table, *chain);
-  if (self->walker == nullptr) {
-    Py_DECREF(object);
+  self->tiers = tiers;
+  self->trie = new (std::nothrow)
+      kvmesh::Trie(*reinterpret_cast<KeyTableObject*>(table)->table,
+                   *reinterpret_cast<ChainKeysObject*>(keys)->keys, tiers);
+  if (self->trie == nullptr) {
+    Py_DECREF(self);
     return PyErr_NoMemory();
   }
-  return object;
+  return reinterpret_cast<PyObject*>(self);
 }
 
-PyObject* view_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
-  auto* self = reinterpret_cast<NodeViewObject*>(object);
-  if (nargs != 5)
-    return PyErr_Format(PyExc_TypeError,
-                        "walk(root, data, max_runs, allocated, max_depth) takes 5 arguments");
+// attach(*columns): hold the 14 columns (writable, C-contiguous, one length in nodes).
+PyObject* trie_attach(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != kColumns)
+    return PyErr_Format(PyExc_TypeError, "attach takes the %d columns, got %zd", kColumns, nargs);
+  Py_buffer buffers[kColumns];
+  int held = 0;
+  auto fail = [&]() -> PyObject* {
+    for (int i = 0; i < held; ++i) PyBuffer_Release(&buffers[i]);
+    return nullptr;
+  };
+  auto page_bytes =
+      static_cast<Py_ssize_t>(4 * reinterpret_cast<ChainKeysObject*>(self->keys)->keys->page_tokens());
+  Py_ssize_t capacity = -1;
+  for (int i = 0; i < kColumns; ++i) {
+    if (PyObject_GetBuffer(args[i], &buffers[i], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0)
+      return fail();
+    held = i + 1;
+    Py_ssize_t per_node = kPerNode[i] ? kPerNode[i] * kItemSize[i] : page_bytes;
+    if (buffers[i].itemsize != kItemSize[i] || buffers[i].len % per_node != 0) {
+      PyErr_Format(PyExc_TypeError, "attach: column %s has %zd-byte items, not %zd, or a "
+                   "length that is not whole nodes", kColumnNames[i], buffers[i].itemsize,
+                   kItemSize[i]);
+      return fail();
+    }
+    Py_ssize_t nodes = buffers[i].len / per_node;
+    if (capacity >= 0 && nodes != capacity) {
+      PyErr_Format(PyExc_ValueError, "attach: column %s has %zd nodes, the others %zd",
+                   kColumnNames[i], nodes, capacity);
+      return fail();
+    }
+    capacity = nodes;
+  }
+  kvmesh::TrieColumns columns{
+      static_cast<char*>(buffers[0].buf),      static_cast<int64_t*>(buffers[1].buf),
+      static_cast<int32_t*>(buffers[2].buf),   static_cast<int32_t*>(buffers[3].buf),
+      static_cast<int32_t*>(buffers[4].buf),   static_cast<int64_t*>(buffers[5].buf),
+      static_cast<int32_t*>(buffers[6].buf),   static_cast<int64_t*>(buffers[7].buf),
+      static_cast<uint8_t*>(buffers[8].buf),   static_cast<int16_t*>(buffers[9].buf),
+      static_cast<int16_t*>(buffers[10].buf),  static_cast<int32_t*>(buffers[11].buf),
+      static_cast<int64_t*>(buffers[12].buf),  static_cast<uint8_t*>(buffers[13].buf),
+      static_cast<std::size_t>(capacity),      static_cast<std::size_t>(page_bytes)};
+  if (!guarded([&] { self->trie->attach(columns); })) return fail();
+  release_buffers(self);
+  std::memcpy(self->buffers, buffers, sizeof(buffers));
+  self->held = kColumns;
+  Py_RETURN_NONE;
+}
+
+bool attached(TrieObject* self) {
+  if (self->held == kColumns) return true;
+  PyErr_SetString(PyExc_RuntimeError, "the trie has no columns attached");
+  return false;
+}
+
+// A sequence of ints (page ids, generations) as int64s; false with an exception set.
+bool int64s(PyObject* sequence, std::vector<int64_t>& out, const char* what) {
+  PyObject* fast = PySequence_Fast(sequence, what);
+  if (fast == nullptr) return false;
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  out.resize(static_cast<std::size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    long long value = PyLong_AsLongLong(items[i]);
+    if (value == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return false;
+    }
+    out[static_cast<std::size_t>(i)] = value;
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+bool as_int(PyObject* value, int* out, const char* what) {
+  long v = PyLong_AsLong(value);
+  if (v == -1 && PyErr_Occurred()) return false;
+  if (v < INT16_MIN || v > INT16_MAX) {
+    PyErr_Format(PyExc_ValueError, "%s out of range: %ld", what, v);
+    return false;
+  }
+  *out = static_cast<int>(v);
+  return true;
+}
+
+kvmesh::PageMap* page_map(PyObject* value) {
+  if (!PyObject_TypeCheck(value, &PageMapType)) {
+    PyErr_Format(PyExc_TypeError, "expected a PageMap, got %s", Py_TYPE(value)->tp_name);
+    return nullptr;
+  }
+  return reinterpret_cast<PageMapObject*>(value)->map;
+}
+
+PyObject* tier_tuple(const int64_t* counts, int tiers) {
+  PyObject* out = PyTuple_New(tiers);
+  if (out == nullptr) return nullptr;
+  for (int i = 0; i < tiers; ++i) {
+    PyObject* count = PyLong_FromLongLong(counts[i]);
+    if (count == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, i, count);
+  }
+  return out;
+}
+
+// (result, tier_delta, removed, demoted, unknown): what every write returns.
+PyObject* written(TrieObject* self, PyObject* result, const kvmesh::Tally& tally) {
+  PyObject* delta = tier_tuple(tally.tier_delta, self->tiers);
+  PyObject* removed = delta ? tier_tuple(tally.removed, self->tiers) : nullptr;
+  if (removed == nullptr) {
+    Py_XDECREF(delta);
+    Py_DECREF(result);
+    return nullptr;
+  }
+  return Py_BuildValue("(NNNLL)", result, delta, removed, static_cast<long long>(tally.demoted),
+                       static_cast<long long>(tally.unknown));
+}
+
+// The (pages, slot) every write starts with.
+bool map_and_slot(TrieObject* self, PyObject* const* args, kvmesh::PageMap** map, int* slot) {
+  if (!attached(self)) return false;
+  *map = page_map(args[0]);
+  return *map != nullptr && as_int(args[1], slot, "slot");
+}
+
+PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 8)
+    return PyErr_Format(PyExc_TypeError, "store(pages, slot, parent, data, page_ids, "
+                        "generations, tier, clock) takes 8 arguments, got %zd", nargs);
+  kvmesh::PageMap* map;
+  int slot, tier;
+  int64_t parent, clock;
+  std::vector<int64_t> pages, generations;
+  if (!map_and_slot(self, args, &map, &slot) || !as_key(args[2], &parent) ||
+      !int64s(args[4], pages, "page ids must be a sequence") ||
+      !int64s(args[5], generations, "generations must be a sequence") ||
+      !as_int(args[6], &tier, "tier") || !as_key(args[7], &clock))
+    return nullptr;
+  if (generations.size() != pages.size())
+    return PyErr_Format(PyExc_ValueError, "%zu generations for %zu pages", generations.size(),
+                        pages.size());
+  Py_buffer data;
+  if (PyObject_GetBuffer(args[3], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  kvmesh::Tally tally;
+  bool placed = false;
+  bool done = guarded([&] {
+    placed = self->trie->store(*map, slot, parent, static_cast<const char*>(data.buf),
+                               static_cast<std::size_t>(data.len), pages.data(),
+                               generations.data(), pages.size(), tier, clock, tally);
+  });
+  PyBuffer_Release(&data);
+  if (!done) return nullptr;
+  return written(self, PyBool_FromLong(placed), tally);
+}
+
+PyObject* trie_demote(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 6)
+    return PyErr_Format(PyExc_TypeError, "demote(pages, slot, page_ids, new_page_ids, "
+                        "generations, tier) takes 6 arguments, got %zd", nargs);
+  kvmesh::PageMap* map;
+  int slot, tier;
+  std::vector<int64_t> pages, new_pages, generations;
+  if (!map_and_slot(self, args, &map, &slot) ||
+      !int64s(args[2], pages, "page ids must be a sequence") ||
+      !int64s(args[3], new_pages, "new page ids must be a sequence") ||
+      !int64s(args[4], generations, "generations must be a sequence") ||
+      !as_int(args[5], &tier, "tier"))
+    return nullptr;
+  if (new_pages.size() != pages.size() || generations.size() != pages.size())
+    return PyErr_Format(PyExc_ValueError, "%zu new page ids and %zu generations for %zu pages",
+                        new_pages.size(), generations.size(), pages.size());
+  kvmesh::Tally tally;
+  bool moved = false;
+  if (!guarded([&] {
+        moved = self->trie->demote(*map, slot, pages.data(), new_pages.data(),
+                                   generations.data(), pages.size(), tier, tally);
+      }))
+    return nullptr;
+  return written(self, PyBool_FromLong(moved), tally);
+}
+
+PyObject* trie_drop_pages(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "drop_pages(pages, slot, page_ids) takes 3 arguments");
+  kvmesh::PageMap* map;
+  int slot;
+  std::vector<int64_t> pages;
+  if (!map_and_slot(self, args, &map, &slot) ||
+      !int64s(args[2], pages, "page ids must be a sequence"))
+    return nullptr;
+  kvmesh::Tally tally;
+  if (!guarded([&] { self->trie->drop_pages(*map, slot, pages.data(), pages.size(), tally); }))
+    return nullptr;
+  Py_INCREF(Py_None);
+  return written(self, Py_None, tally);
+}
+
+PyObject* trie_drop_subtree(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 4)
+    return PyErr_Format(PyExc_TypeError, "drop_subtree(pages, slot, node, counted) takes 4 "
+                        "arguments");
+  kvmesh::PageMap* map;
+  int slot;
+  int64_t node;
+  if (!map_and_slot(self, args, &map, &slot) || !as_key(args[2], &node)) return nullptr;
+  int counted = PyObject_IsTrue(args[3]);
+  if (counted < 0) return nullptr;
+  kvmesh::Tally tally;
+  std::size_t dropped = 0;
+  if (!guarded([&] {
+        dropped = self->trie->drop_subtree(*map, slot, node, counted ? tally.removed : nullptr,
+                                           tally);
+      }))
+    return nullptr;
+  return written(self, PyLong_FromSize_t(dropped), tally);
+}
+
+PyObject* trie_drop_all(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "drop_all(pages, slot, counted) takes 3 arguments");
+  kvmesh::PageMap* map;
+  int slot;
+  if (!map_and_slot(self, args, &map, &slot)) return nullptr;
+  int counted = PyObject_IsTrue(args[2]);
+  if (counted < 0) return nullptr;
+  kvmesh::Tally tally;
+  std::size_t dropped = 0;
+  if (!guarded([&] {
+        dropped = self->trie->drop_all(*map, slot, counted ? tally.removed : nullptr, tally);
+      }))
+    return nullptr;
+  return written(self, PyLong_FromSize_t(dropped), tally);
+}
+
+PyObject* trie_new_root(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  int64_t key, node = kvmesh::kNone;
+  if (!attached(self) || !as_key(arg, &key) ||
+      !guarded([&] { node = self->trie->new_root(key); }))
+    return nullptr;
+  return PyLong_FromLongLong(node);
+}
+
+PyObject* trie_release_root(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  int64_t node;
+  if (!attached(self) || !as_key(arg, &node) ||
+      !guarded([&] { self->trie->release_root(node); }))
+    return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* int64_tuple(const std::vector<int64_t>& values) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    PyObject* value = PyLong_FromLongLong(values[i]);
+    if (value == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), value);
+  }
+  return out;
+}
+
+PyObject* trie_take_emptied_roots(PyObject* object, PyObject*) {
+  return int64_tuple(reinterpret_cast<TrieObject*>(object)->trie->take_emptied_roots());
+}
+
+PyObject* trie_column_of(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "column_of(node, slot) takes 2 arguments");
+  int64_t node;
+  int slot, column = kvmesh::kNoColumn;
+  if (!attached(self) || !as_key(args[0], &node) || !as_int(args[1], &slot, "slot") ||
+      !guarded([&] { column = self->trie->column_of(node, slot); }))
+    return nullptr;
+  if (column == kvmesh::kNoColumn) Py_RETURN_NONE;
+  return PyLong_FromLong(column);
+}
+
+PyObject* holding_tuple(const kvmesh::Holding& h) {
+  return Py_BuildValue("(iiLi)", static_cast<int>(h.slot), static_cast<int>(h.page),
+                       static_cast<long long>(h.generation), static_cast<int>(h.tier));
+}
+
+PyObject* trie_extra(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  int64_t node;
+  if (!as_key(arg, &node)) return nullptr;
+  const auto& extra = self->trie->extra();
+  auto found = node < 0 || node > INT32_MAX ? extra.end() : extra.find(static_cast<int32_t>(node));
+  if (found == extra.end()) return PyTuple_New(0);
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(found->second.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < found->second.size(); ++i) {
+    PyObject* holding = holding_tuple(found->second[i]);
+    if (holding == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), holding);
+  }
+  return out;
+}
+
+PyObject* trie_extra_nodes(PyObject* object, PyObject*) {
+  const auto& extra = reinterpret_cast<TrieObject*>(object)->trie->extra();
+  std::vector<int64_t> nodes;
+  nodes.reserve(extra.size());
+  for (const auto& [node, held] : extra) nodes.push_back(node);
+  std::sort(nodes.begin(), nodes.end());
+  return int64_tuple(nodes);
+}
+
+PyObject* trie_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "walk(root, data, max_runs) takes 3 arguments");
+  if (!attached(self)) return nullptr;
   int64_t root = kvmesh::kNone;
   if (args[0] != Py_None && !as_key(args[0], &root)) return nullptr;
-  Py_ssize_t numbers[3];
-  for (int i = 0; i < 3; ++i) {
-    numbers[i] = PyLong_AsSsize_t(args[2 + i]);
-    if (numbers[i] == -1 && PyErr_Occurred()) return nullptr;
-    if (numbers[i] < 0) return PyErr_Format(PyExc_ValueError, "walk: a negative count");
-  }
+  Py_ssize_t max_runs = PyLong_AsSsize_t(args[2]);
+  if (max_runs == -1 && PyErr_Occurred()) return nullptr;
+  if (max_runs < 0) return PyErr_Format(PyExc_ValueError, "walk: a negative count of runs");
   Py_buffer data;
   if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  kvmesh::Trie* trie = self->trie;
   kvmesh::Path path;
   bool done = guarded([&] {
-    path = self->walker->walk(root, static_cast<const char*>(data.buf),
-                              static_cast<std::size_t>(data.len),
-                              static_cast<std::size_t>(numbers[0]),
-                              static_cast<std::size_t>(numbers[1]),
-                              static_cast<std::size_t>(numbers[2]));
+    path = trie->walker().walk(root, static_cast<const char*>(data.buf),
+                               static_cast<std::size_t>(data.len),
+                               static_cast<std::size_t>(max_runs), trie->allocated(),
+                               trie->max_depth());
   });
   PyBuffer_Release(&data);
   if (!done) return nullptr;
@@ -472,36 +881,82 @@ PyObject* view_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(nNO)", static_cast<Py_ssize_t>(path.length), runs, Py_None);
 }
 
-PyObject* view_child(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
-  auto* self = reinterpret_cast<NodeViewObject*>(object);
-  int64_t parent, key;
-  if (nargs != 3)
-    return PyErr_Format(PyExc_TypeError, "child(parent, key, tokens) takes 3 arguments");
-  if (!as_key(args[0], &parent) || !as_key(args[1], &key)) return nullptr;
-  Py_buffer tokens;
-  if (PyObject_GetBuffer(args[2], &tokens, PyBUF_SIMPLE) != 0) return nullptr;
-  int64_t node = kvmesh::kNone;
-  if (static_cast<std::size_t>(tokens.len) == self->columns.page_bytes)
-    node = self->walker->child(parent, key, static_cast<const char*>(tokens.buf));
-  PyBuffer_Release(&tokens);
-  if (node == kvmesh::kNone) Py_RETURN_NONE;
-  return PyLong_FromLongLong(node);
+PyObject* trie_free(PyObject* object, void*) {
+  const auto& free = reinterpret_cast<TrieObject*>(object)->trie->free_nodes();
+  return int64_tuple(std::vector<int64_t>(free.begin(), free.end()));
 }
 
-PyMethodDef view_methods[] = {
-    {"child", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_child)),
-     METH_FASTCALL,
-     "child(parent, key, tokens) -> node or None: the child of `parent` whose page is "
-     "exactly `tokens` (one page), found through its key."},
-    {"walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_walk)),
-     METH_FASTCALL,
-     "walk(root, data, max_runs, allocated, max_depth) -> (length, runs, nodes): the path "
-     "of packed prompt `data` below node `root` (None: no root), as (first node, pages) "
-     "runs, or, past max_runs runs, every node (an int64 array; runs then empty)."},
+PyObject* trie_allocated(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<TrieObject*>(object)->trie->allocated());
+}
+
+PyObject* trie_num_pages(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<TrieObject*>(object)->trie->num_pages());
+}
+
+PyObject* trie_max_depth(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<TrieObject*>(object)->trie->max_depth());
+}
+
+PyObject* trie_room(PyObject* object, void*) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (!attached(self)) return nullptr;
+  return PyLong_FromSize_t(self->trie->room());
+}
+
+PyObject* trie_nbytes(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<TrieObject*>(object)->trie->nbytes());
+}
+
+#define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
+
+PyMethodDef trie_methods[] = {
+    {"attach", FASTCALL(trie_attach),
+     "attach(tokens, parent, first_child, next_sibling, prev_sibling, key, depth, "
+     "last_access, chained, count, slot, page, generation, tier): hold these columns "
+     "(after they grew)."},
+    {"walk", FASTCALL(trie_walk),
+     "walk(root, data, max_runs) -> (length, runs, nodes): the path of packed prompt "
+     "`data` below node `root` (None: no root), as (first node, pages) runs, or, past "
+     "max_runs runs, every node (an int64 array; runs then empty)."},
+    {"store", FASTCALL(trie_store),
+     "store(pages, slot, parent, data, page_ids, generations, tier, clock) -> (placed, "
+     "tier_delta, removed, demoted, unknown): hang a chain below node `parent`; placed "
+     "False: a page id of the chain names a node on its own path."},
+    {"demote", FASTCALL(trie_demote),
+     "demote(pages, slot, page_ids, new_page_ids, generations, tier) -> (moved, ...): "
+     "move holdings in place; moved False: a new id names an ancestor."},
+    {"drop_pages", FASTCALL(trie_drop_pages),
+     "drop_pages(pages, slot, page_ids) -> (None, ...): drop the pages and what the worker "
+     "holds below them, counted in `removed`."},
+    {"drop_subtree", FASTCALL(trie_drop_subtree),
+     "drop_subtree(pages, slot, node, counted) -> (dropped, ...)."},
+    {"drop_all", FASTCALL(trie_drop_all), "drop_all(pages, slot, counted) -> (dropped, ...)."},
+    {"new_root", trie_new_root, METH_O, "new_root(key) -> node: a root with that key."},
+    {"release_root", trie_release_root, METH_O, "release_root(node): free an empty root."},
+    {"take_emptied_roots", trie_take_emptied_roots, METH_NOARGS,
+     "take_emptied_roots() -> roots left without children by the writes since the last call."},
+    {"column_of", FASTCALL(trie_column_of),
+     "column_of(node, slot) -> the column of the slot's holding (4: beside the columns), "
+     "or None."},
+    {"extra", trie_extra, METH_O,
+     "extra(node) -> ((slot, page, generation, tier), ...): its holders beyond the columns."},
+    {"extra_nodes", trie_extra_nodes, METH_NOARGS,
+     "extra_nodes() -> the nodes with holders beyond the columns, sorted."},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyTypeObject NodeViewType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
+PyGetSetDef trie_getset[] = {
+    {"allocated", trie_allocated, nullptr, "node ids handed out", nullptr},
+    {"num_pages", trie_num_pages, nullptr, "page nodes in use", nullptr},
+    {"max_depth", trie_max_depth, nullptr, "the deepest page ever made", nullptr},
+    {"free", trie_free, nullptr, "the free node ids", nullptr},
+    {"room", trie_room, nullptr, "nodes it can hand out before the columns grow", nullptr},
+    {"nbytes", trie_nbytes, nullptr, "bytes of its own (free list, extra holders)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyTypeObject TrieType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
 // Fill in and ready one of the module's types.
 bool ready(PyTypeObject* type, const char* name, const char* doc, std::size_t size, newfunc make,
@@ -539,17 +994,21 @@ PyMODINIT_FUNC PyInit__compiled(void) {
              "ChainKeys(page_tokens, secret, collide=False): chained prefix keys "
              "(chain_keys.hpp).",
              sizeof(ChainKeysObject), keys_new, keys_dealloc, keys_methods, keys_getset) ||
-      !ready(&NodeViewType, "cache_service.index._compiled.NodeView",
-             "NodeView(tokens, parent, first_child, chained, key, table, keys): the match "
-             "walk over a Nodes object's columns (walk.hpp), which it holds while it lives.",
-             sizeof(NodeViewObject), view_new, view_dealloc, view_methods, nullptr))
+      !ready(&PageMapType, "cache_service.index._compiled.PageMap",
+             "PageMap(): one worker's page id -> node map (trie.hpp).", sizeof(PageMapObject),
+             map_new, map_dealloc, map_methods, map_getset) ||
+      !ready(&TrieType, "cache_service.index._compiled.Trie",
+             "Trie(table, keys, tiers): the match walk and the writes over a Nodes object's "
+             "columns (trie.hpp, walk.hpp), which it holds from `attach` on.",
+             sizeof(TrieObject), trie_new, trie_dealloc, trie_methods, trie_getset))
     return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddObjectRef(module, "KeyTable", reinterpret_cast<PyObject*>(&KeyTableType)) < 0 ||
       PyModule_AddObjectRef(module, "ChainKeys", reinterpret_cast<PyObject*>(&ChainKeysType)) <
           0 ||
-      PyModule_AddObjectRef(module, "NodeView", reinterpret_cast<PyObject*>(&NodeViewType)) < 0) {
+      PyModule_AddObjectRef(module, "PageMap", reinterpret_cast<PyObject*>(&PageMapType)) < 0 ||
+      PyModule_AddObjectRef(module, "Trie", reinterpret_cast<PyObject*>(&TrieType)) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
