@@ -156,8 +156,6 @@ class Chains:
         _, tier_delta, removed, _, unknown = written
         held = zip(worker.tier_pages, tier_delta, strict=True)
         worker.tier_pages = [pages + delta for pages, delta in held]
-        # All its pages are in one tier only if they are all in that one.
-        worker.only_tier = worker.single_tier()
         self.unknown_pages += unknown
         if reason is not None:
             for tier, pages in enumerate(removed):

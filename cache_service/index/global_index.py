@@ -8,16 +8,16 @@ other thread is refused, and nothing in here locks.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cache_service.events import KvEvent, Namespace, PagesStored
+from cache_service.events import TIERS, KvEvent, Namespace, PagesStored
 from cache_service.index.batches import BatchOrder
 from cache_service.index.chains import Chains, check_event, check_snapshot
-from cache_service.index.holders import Holders, span_order
+from cache_service.index.holders import Holders
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
@@ -33,8 +33,14 @@ from cache_service.index.registry import (
 )
 from cache_service.index.stats import index_stats
 from cache_service.index.tallies import UNREGISTERED, Tallies
-from cache_service.index.walk import walk
-from cache_service.messages import ApplyResult, MatchResult, PeerEntry, RouteDecision
+from cache_service.messages import (
+    ApplyResult,
+    HolderSpan,
+    MatchResult,
+    PackedSpan,
+    PeerEntry,
+    RouteDecision,
+)
 from cache_service.routing import (
     DEFAULT_POLICY,
     RouteInputs,
@@ -46,6 +52,11 @@ from cache_service.routing import (
 from cache_service.tokens import TokenInput, as_packed
 
 _new_tuple = tuple.__new__
+# A path of more than this many runs of consecutive node ids is finished by looking up
+# the rest of the prompt's keys at once (csrc/walk.hpp).
+MAX_RUNS = 4
+_DISK = TIERS.index("disk")
+_DISK_CODE = bytes((_DISK,))
 _get_ident = threading.get_ident
 
 
@@ -102,6 +113,7 @@ class GlobalIndex(ThreadOwned):
         self._nodes = Nodes(page_tokens, self._keys, self._holders)
         self._nodes.grow(64)
         self._chains = Chains(self._nodes)
+        self._trie = self._nodes.trie
         self._registry = Registry(max_workers, max_capacity)
         self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match
@@ -376,32 +388,28 @@ class GlobalIndex(ThreadOwned):
             data = tokens  # the server's case: checked as _checked would
         else:
             data = _checked(namespace, tokens)
-        nodes = self._nodes
-        path = walk(nodes, nodes.roots.get(namespace), data)
         self._clock = clock = self._clock + 1
+        trie = self._trie
+        length, found = trie.match(self._nodes.roots.get(namespace), data, MAX_RUNS, clock)
         spans: tuple = ()
         local = 0
         asking = None if requester is None else self._registry.workers.get(requester)
-        if path.length:
-            if path.nodes is None:
-                last_access = nodes.last_access_arr
-                for first, pages in path.runs:
-                    last_access[first : first + pages] = clock
-            else:
-                nodes.last_access_arr.put(path.nodes, clock)
-            holders = self._holders
-            holdings = holders.holdings(path)
+        if found:
             requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
             slots = self._registry.slots
+            span_type = PackedSpan if packed else HolderSpan
             built = []
-            for holding in holdings:
-                slot, held, _ = holding
+            for slot, held, tier, page_ids, generations, tiers in found:
                 if slot == requester_slot:
                     local = held
                 worker = slots[slot]
                 assert worker is not None, f"a holding of dead slot {slot}"
-                # A worker with all its pages in one tier needs no look at the tier column.
-                span = holders.span(path, holding, worker.worker_id, worker.only_tier, packed)
+                if not packed:
+                    page_ids = tuple(array("i", page_ids))
+                    generations = tuple(array("q", generations))
+                span = _new_tuple(
+                    span_type, (worker.worker_id, TIERS[tier], page_ids, generations, tiers)
+                )
                 built.append(span)
             if len(built) > 1:
                 built.sort(key=span_order)  # packed lengths are 4x, in the same order
@@ -409,7 +417,7 @@ class GlobalIndex(ThreadOwned):
             else:
                 spans = tuple(built)
         page_tokens = self.page_tokens
-        matched = path.length * page_tokens
+        matched = length * page_tokens
         if requester is not None and asking is None:
             requester = UNREGISTERED
         local *= page_tokens
@@ -456,12 +464,14 @@ class GlobalIndex(ThreadOwned):
         candidates = candidates_of(loads, nodes, reported)
         if not candidates:
             return RouteDecision(None, 0, 0.0, "no_live_worker")
-        holdings, host_pages = [], None  # a policy that reads no holdings spares the walk
+        holdings = []  # a policy that reads no holdings spares the walk
         if chooser.uses_holdings:
-            path = walk(self._nodes, self._nodes.roots.get(namespace), data)
-            holdings = self._holders.holdings(path) if path.length else []
-            host_pages = functools.partial(self._holders.host_pages, path)
-        held, at, host = self._registry.by_worker(holdings, self.page_tokens, host_pages)
+            _, found = self._trie.match(self._nodes.roots.get(namespace), data, MAX_RUNS, None)
+            holdings = [
+                (slot, held, _host_pages(held, tier, tiers))
+                for slot, held, tier, _, _, tiers in found
+            ]
+        held, at, host = self._registry.by_worker(holdings, self.page_tokens)
         pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
         inputs = RouteInputs(candidates, len(data) // 4, held, at, pending, self.load_weight, host)
         return chooser.choose(inputs)
@@ -492,6 +502,19 @@ class GlobalIndex(ThreadOwned):
         check_integrity(self._nodes, self._holders, self._registry)
         self._registry.check()
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
+
+
+def span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
+    """The order of a match's spans: the longest first, then by worker id."""
+    return (-len(span.page_ids), span.worker_id)
+
+
+def _host_pages(held: int, tier: int, tiers: bytes) -> int:
+    """The pages of a span before its first on disk (`tiers` empty: all in `tier`)."""
+    if not tiers:
+        return 0 if tier == _DISK else held
+    at = tiers.find(_DISK_CODE)
+    return held if at < 0 else at
 
 
 def _checked(namespace: Namespace, tokens: TokenInput) -> bytes:

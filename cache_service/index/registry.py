@@ -14,8 +14,8 @@ tier, so a match knows without a look when all of them are in one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from cache_service.events import TIERS
 from cache_service.index._compiled import PageMap
@@ -78,7 +78,6 @@ class Worker:
         "desynced",
         "pages",
         "tier_pages",
-        "only_tier",
         "peer",
         "capacity",
     )
@@ -105,9 +104,6 @@ class Worker:
         # is a flat int32 array up to 2**22 pages (16 MiB at most), a hash map beyond.
         self.pages = PageMap()
         self.tier_pages = [0] * len(TIERS)  # pages it holds in each tier, by tier index
-        # The tier (index) of every page it holds when they are all in one, else None: what
-        # a match reads to skip the tier column (kept by `chains`, see `single_tier`).
-        self.only_tier: int | None = None
         self.peer = peer  # how peers read its pages, as this incarnation registered
         self.capacity = capacity  # the most pages it may hold at once
 
@@ -119,13 +115,6 @@ class Worker:
         if len(page_ids) <= room:  # fits even if every id is new: no lookups (the usual)
             return True
         return sum(pages.get(page) is None for page in page_ids) <= room
-
-    def single_tier(self) -> int | None:
-        """The tier (index) of every page it holds when they are all in one; None when they
-        are in several (or it holds none). Counted afresh: `only_tier` keeps it."""
-        size = self.pages.size
-        tier_pages = self.tier_pages
-        return tier_pages.index(size) if size and size in tier_pages else None
 
 
 class RegistryFull(ValueError):
@@ -240,21 +229,17 @@ class Registry:
 
     def by_worker(
         self,
-        holdings: Iterable[tuple[int, int, Any]],
+        holdings: Iterable[tuple[int, int, int]],
         page_tokens: int,
-        host_pages: Callable[[tuple[int, int, Any], int | None], int] | None = None,
     ) -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
-        """(slot, pages, _) holdings of a prompt as (worker id -> tokens held, worker id ->
-        node, worker id -> tokens held before its first page on disk, for the holders with
-        any): what routing weighs. `host_pages(holding, only_tier)` counts a holding's
-        pages before its first on disk (None: every holding is in host memory)."""
+        """(slot, pages, pages before its first on disk) holdings of a prompt as (worker id
+        -> tokens held, worker id -> node, worker id -> tokens held before its first page
+        on disk, for the holders with any): what routing weighs."""
         held, nodes, held_host = {}, {}, {}
-        for holding in holdings:
-            slot, pages, _ = holding
+        for slot, pages, host in holdings:
             worker = self.slots[slot]
             held[worker.worker_id] = pages * page_tokens
             nodes[worker.worker_id] = worker.node_id
-            host = pages if host_pages is None else host_pages(holding, worker.only_tier)
             if host < pages:
                 held_host[worker.worker_id] = host * page_tokens
         return held, nodes, held_host
@@ -287,10 +272,6 @@ class Registry:
                 f"{worker_id} holds {worker.pages.size} pages, {worker.tier_pages} per tier"
             )
             # An empty worker may keep the tier it had: it is read only for a holder.
-            assert worker.only_tier == worker.single_tier() or not worker.pages.size, (
-                f"{worker_id} holds {worker.tier_pages} pages per tier, only_tier "
-                f"{worker.only_tier}"
-            )
         live = sum(worker is not None for worker in self.slots)
         assert live == len(self.workers), f"{live} slots taken for {len(self.workers)} workers"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import NamedTuple
 from unittest import mock
 
 import numpy as np
@@ -28,8 +29,8 @@ from cache_service.index import (
     StaleEpoch,
     WorkerInfo,
 )
+from cache_service.index import global_index as global_index_module
 from cache_service.index import keys as keys_module
-from cache_service.index import walk as walk_module
 from cache_service.index._compiled import ChainKeys, KeyTable
 from cache_service.index.registry import DEFAULT_CAPACITY
 from cache_service.routing import WorkerLoad
@@ -773,7 +774,7 @@ def make_fragmented_index() -> GlobalIndex:
 @pytest.mark.parametrize("runs", [4, 1, 0])
 def test_a_path_of_many_runs(runs):
     index = make_fragmented_index()
-    with mock.patch.object(walk_module, "MAX_RUNS", runs):
+    with mock.patch.object(global_index_module, "MAX_RUNS", runs):
         assert path_of(index, make_tokens(1, 2, 3)).node_ids() == [1, 3, 5]
         assert spans(index.match(NS, make_tokens(1, 2, 3, 4))) == [("a", (0, 1, 2))]
         assert spans(index.match(NS, make_tokens(9, 8, 5))) == [("c", (0, 1))]
@@ -806,10 +807,22 @@ def test_a_remembered_branch_is_checked_before_use():
     index.check_integrity()
 
 
-def path_of(index: GlobalIndex, tokens: list[int]) -> walk_module.Path:
+class Path(NamedTuple):
+    length: int
+    runs: tuple[tuple[int, int], ...]
+    nodes: tuple[int, ...] | None
+
+    def node_ids(self) -> list[int]:
+        if self.nodes is not None:
+            return list(self.nodes)
+        return [node for first, pages in self.runs for node in range(first, first + pages)]
+
+
+def path_of(index: GlobalIndex, tokens: list[int]) -> Path:
     """The nodes the match walk finds for `tokens` in namespace NS."""
     nodes = index._nodes
-    return walk_module.walk(nodes, nodes.roots.get(NS), pack_tokens(tokens))
+    root = nodes.roots.get(NS)
+    return Path(*nodes.trie.walk(root, pack_tokens(tokens), global_index_module.MAX_RUNS))
 
 
 def crowded_key(home: int, variant: int) -> int:
@@ -1335,7 +1348,7 @@ def test_index_matches_a_reference_model(ops):
 @given(ops=st.lists(op_strategy, max_size=40))
 def test_the_vectorised_lookup_matches_the_model(runs, ops):
     """Paths walked as at most `runs` runs of node ids, the rest by all keys at once."""
-    with mock.patch.object(walk_module, "MAX_RUNS", runs):
+    with mock.patch.object(global_index_module, "MAX_RUNS", runs):
         run_model(ops)
 
 
@@ -1349,7 +1362,7 @@ def test_index_matches_the_model_when_every_key_collides(runs, ops):
     with (
         mock.patch.object(keys_module, "_chain_keys", colliding_keys),
         mock.patch.object(keys_module, "_root_key", lambda secret, namespace: 1),
-        mock.patch.object(walk_module, "MAX_RUNS", runs),
+        mock.patch.object(global_index_module, "MAX_RUNS", runs),
     ):
         run_model(ops)
 

@@ -474,6 +474,7 @@ struct TrieObject {
   PyObject* keys;
   kvmesh::Trie* trie;
   int tiers;
+  std::vector<kvmesh::Span> spans;  // a match's, kept for their buffers
 };
 
 void release_buffers(TrieObject* self) {
@@ -484,6 +485,7 @@ void release_buffers(TrieObject* self) {
 void trie_dealloc(PyObject* object) {
   auto* self = reinterpret_cast<TrieObject*>(object);
   delete self->trie;
+  self->spans.~vector();
   release_buffers(self);
   Py_XDECREF(self->table);
   Py_XDECREF(self->keys);
@@ -502,6 +504,7 @@ PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                         tiers);
   auto* self = reinterpret_cast<TrieObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
+  new (&self->spans) std::vector<kvmesh::Span>();  // tp_alloc runs no constructors
   Py_INCREF(table);
   Py_INCREF(keys);
   self->table = table;
@@ -840,6 +843,7 @@ PyObject* trie_extra_nodes(PyObject* object, PyObject*) {
   return int64_tuple(nodes);
 }
 
+// walk(root, data, max_runs) -> (length, runs, nodes): the path alone, for checks.
 PyObject* trie_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<TrieObject*>(object);
   if (nargs != 3)
@@ -863,7 +867,7 @@ PyObject* trie_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   PyBuffer_Release(&data);
   if (!done) return nullptr;
   if (path.listed) {
-    PyObject* nodes = int64_array(path.nodes.data(), path.nodes.size());
+    PyObject* nodes = int64_tuple(path.nodes);
     if (nodes == nullptr) return nullptr;
     return Py_BuildValue("(n()N)", static_cast<Py_ssize_t>(path.length), nodes);
   }
@@ -879,6 +883,53 @@ PyObject* trie_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
     PyTuple_SET_ITEM(runs, static_cast<Py_ssize_t>(i), run);
   }
   return Py_BuildValue("(nNO)", static_cast<Py_ssize_t>(path.length), runs, Py_None);
+}
+
+// (length, spans): each span (slot, held, tier, page_ids, generations, tiers), the ids
+// and generations as little-endian bytes, `tiers` empty when every page is in `tier`.
+PyObject* trie_match(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 4)
+    return PyErr_Format(PyExc_TypeError, "match(root, data, max_runs, clock) takes 4 arguments");
+  if (!attached(self)) return nullptr;
+  int64_t root = kvmesh::kNone, clock = 0;
+  if (args[0] != Py_None && !as_key(args[0], &root)) return nullptr;
+  Py_ssize_t max_runs = PyLong_AsSsize_t(args[2]);
+  if (max_runs == -1 && PyErr_Occurred()) return nullptr;
+  if (max_runs < 0) return PyErr_Format(PyExc_ValueError, "match: a negative count of runs");
+  bool touch = args[3] != Py_None;
+  if (touch && !as_key(args[3], &clock)) return nullptr;
+  Py_buffer data;
+  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  std::vector<kvmesh::Span>& spans = self->spans;
+  std::size_t length = 0;
+  bool done = guarded([&] {
+    length = self->trie->match(root, static_cast<const char*>(data.buf),
+                               static_cast<std::size_t>(data.len),
+                               static_cast<std::size_t>(max_runs), touch, clock, spans);
+  });
+  PyBuffer_Release(&data);
+  if (!done) return nullptr;
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(spans.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const kvmesh::Span& span = spans[i];
+    int tier = static_cast<unsigned char>(span.tiers[0]);
+    bool one_tier = span.tiers.find_first_not_of(span.tiers[0]) == std::string::npos;
+    PyObject* item = Py_BuildValue(
+        "(iniNNN)", span.slot, static_cast<Py_ssize_t>(span.held), tier,
+        PyBytes_FromStringAndSize(span.pages.data(), static_cast<Py_ssize_t>(span.pages.size())),
+        PyBytes_FromStringAndSize(span.generations.data(),
+                                  static_cast<Py_ssize_t>(span.generations.size())),
+        PyBytes_FromStringAndSize(one_tier ? "" : span.tiers.data(),
+                                  one_tier ? 0 : static_cast<Py_ssize_t>(span.tiers.size())));
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return Py_BuildValue("(nN)", static_cast<Py_ssize_t>(length), out);
 }
 
 PyObject* trie_free(PyObject* object, void*) {
@@ -916,9 +967,16 @@ PyMethodDef trie_methods[] = {
      "last_access, chained, count, slot, page, generation, tier): hold these columns "
      "(after they grew)."},
     {"walk", FASTCALL(trie_walk),
-     "walk(root, data, max_runs) -> (length, runs, nodes): the path of packed prompt "
-     "`data` below node `root` (None: no root), as (first node, pages) runs, or, past "
-     "max_runs runs, every node (an int64 array; runs then empty)."},
+     "walk(root, data, max_runs) -> (length, runs, nodes): the path `match` takes, as "
+     "(first node, pages) runs of consecutive node ids, or, past max_runs runs, every "
+     "node (a tuple; runs then empty)."},
+    {"match", FASTCALL(trie_match),
+     "match(root, data, max_runs, clock) -> (pages, spans): the path of packed prompt "
+     "`data` below node `root` (None: no root) and each holder's span along it, "
+     "(slot, pages, tier, page_ids, generations, tiers): ids and generations as "
+     "little-endian int32 and int64 bytes, tiers one byte a page, empty when all are in "
+     "`tier`. Past max_runs runs of consecutive nodes the rest is looked up by keys at "
+     "once. clock: the matched pages' last access (None: unchanged)."},
     {"store", FASTCALL(trie_store),
      "store(pages, slot, parent, data, page_ids, generations, tier, clock) -> (placed, "
      "tier_delta, removed, demoted, unknown): hang a chain below node `parent`; placed "

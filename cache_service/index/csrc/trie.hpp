@@ -134,6 +134,14 @@ class PageMap {
   std::size_t size_ = 0;
 };
 
+// One holder's span of a match: its leading run of the matched pages, as the wire's
+// little-endian bytes (int32 page ids, int64 generations, one tier index a page).
+struct Span {
+  int slot = -1;
+  std::size_t held = 0;
+  std::string pages, generations, tiers;
+};
+
 // What one write did to a worker's pages per tier, and what it found.
 struct Tally {
   int64_t tier_delta[kMaxTiers] = {};  // pages the worker holds in each tier: the change
@@ -317,6 +325,76 @@ class Trie {
     }
     held_ = std::move(held);
     return held_.size();
+  }
+
+  // The path of packed prompt `data` below `root` (kNone: none) and every holder's span
+  // along it; `touch`: the matched pages' last access becomes `clock`. Returns the
+  // matched length in pages. Each holder holds a leading run of the path (prefix
+  // closure) in one column (column consistency): see holders.py.
+  std::size_t match(int64_t root, const char* data, std::size_t bytes, std::size_t max_runs,
+                    bool touch, int64_t clock, std::vector<Span>& spans) {
+    Path path = walker_.walk(root, data, bytes, max_runs, allocated_, max_depth_);
+    std::size_t length = path.length;
+    spans.clear();
+    if (length == 0) return 0;
+    std::vector<int64_t>& nodes = path.nodes;
+    if (!path.listed)
+      for (auto [first, pages] : path.runs)
+        for (std::size_t i = 0; i < pages; ++i) nodes.push_back(first + static_cast<int64_t>(i));
+    for (int64_t node : nodes) need(node);
+    if (touch)
+      for (int64_t node : nodes) c_.last_access[node] = clock;
+    int64_t first = nodes.front(), last = nodes.back();
+    for (int column = 0; column < kInline; ++column) {
+      int16_t slot = c_.slot[first * kInline + column];
+      if (slot == -1) continue;
+      std::size_t held = length;
+      if (c_.slot[last * kInline + column] != slot) {
+        std::size_t low = 1, high = length - 1;  // pages [0, low) held, page high not
+        while (low < high) {
+          std::size_t middle = (low + high) / 2;
+          if (c_.slot[nodes[middle] * kInline + column] == slot)
+            low = middle + 1;
+          else
+            high = middle;
+        }
+        held = low;
+      }
+      Span& span = spans.emplace_back();
+      span.slot = slot;
+      span.held = held;
+      span.pages.resize(held * 4);
+      span.generations.resize(held * 8);
+      span.tiers.resize(held);
+      for (std::size_t i = 0; i < held; ++i) {
+        std::size_t at = static_cast<std::size_t>(nodes[i]) * kInline + column;
+        std::memcpy(&span.pages[i * 4], &c_.page[at], 4);
+        std::memcpy(&span.generations[i * 8], &c_.generation[at], 8);
+        span.tiers[i] = static_cast<char>(c_.tier[at]);
+      }
+    }
+    auto beyond = extra_.find(static_cast<int32_t>(first));
+    if (beyond != extra_.end()) {
+      for (const Holding& top : beyond->second) {
+        Span& span = spans.emplace_back();
+        span.slot = top.slot;
+        for (std::size_t i = 0; i < length; ++i) {
+          const Holding* found = nullptr;
+          if (i == 0) {
+            found = &top;
+          } else if (auto it = extra_.find(static_cast<int32_t>(nodes[i])); it != extra_.end()) {
+            for (const Holding& h : it->second)
+              if (h.slot == top.slot) found = &h;
+          }
+          if (found == nullptr) break;
+          span.pages.append(reinterpret_cast<const char*>(&found->page), 4);
+          span.generations.append(reinterpret_cast<const char*>(&found->generation), 8);
+          span.tiers.push_back(static_cast<char>(found->tier));
+          ++span.held;
+        }
+      }
+    }
+    return length;
   }
 
   bool is_ancestor_or_self(int64_t ancestor, int64_t node) const {
