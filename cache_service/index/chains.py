@@ -30,6 +30,7 @@ from cache_service.events import (
     PagesRemoved,
     PagesStored,
 )
+from cache_service.index._compiled import first_outside
 from cache_service.index.nodes import Nodes
 from cache_service.index.registry import Worker
 from cache_service.tokens import INT32_MAX, pack_tokens
@@ -171,14 +172,12 @@ def check_event(event: KvEvent, page_tokens: int) -> bytes | None:
         if not isinstance(event.namespace, Namespace):
             raise ValueError(f"PagesStored namespace is a {type(event.namespace).__name__}")
         count = len(event.page_ids)
-        check_pages(event.page_ids)
+        check_pages(event.page_ids, "a page id repeats within one chain")
         if event.parent_page is not None:
             check_pages((event.parent_page,))
         check_generations(event.generations, count)
         if len(event.tokens) != count * page_tokens:
             raise ValueError(f"{len(event.tokens)} tokens for {count} pages of {page_tokens}")
-        if len(set(event.page_ids)) != count:
-            raise ValueError(f"a page id repeats within one chain: {event.page_ids}")
         check_tier(event.tier)
         return pack_tokens(event.tokens)
     if isinstance(event, PagesRemoved):
@@ -191,12 +190,9 @@ def check_event(event: KvEvent, page_tokens: int) -> bytes | None:
         count = len(event.page_ids)
         if len(event.new_page_ids) != count:
             raise ValueError(f"{len(event.new_page_ids)} new page ids for {count} pages")
-        check_pages(event.page_ids)
-        check_pages(event.new_page_ids)
+        check_pages(event.page_ids, "a page id repeats within one demotion")
+        check_pages(event.new_page_ids, "a new page id repeats within one demotion")
         check_generations(event.generations, count)
-        for name, ids in (("page id", event.page_ids), ("new page id", event.new_page_ids)):
-            if len(set(ids)) != count:
-                raise ValueError(f"a {name} repeats within one demotion: {ids}")
         check_tier(event.tier)
         return None
     if isinstance(event, AllCleared):
@@ -228,9 +224,9 @@ def check_generations(generations: Sequence[int], count: int) -> None:
     """One generation per page, each an int64 >= 0."""
     if len(generations) != count:
         raise ValueError(f"{len(generations)} generations for {count} pages")
-    for generation in generations:
-        if not isinstance(generation, int) or not 0 <= generation <= _INT64_MAX:
-            raise ValueError(f"generations must be ints in [0, 2**63), got {generation!r}")
+    bad = first_outside(generations, 0, _INT64_MAX, False)
+    if bad >= 0:
+        raise ValueError(f"generations must be ints in [0, 2**63), got {generations[bad]!r}")
 
 
 def check_tier(tier: str) -> None:
@@ -238,8 +234,13 @@ def check_tier(tier: str) -> None:
         raise ValueError(f"tier {tier!r} not in {TIERS}")
 
 
-def check_pages(page_ids: Sequence[int]) -> None:
-    """Page ids travel as int32 in match replies; page stores number pages from 0."""
-    for page in page_ids:
-        if not isinstance(page, int) or not 0 <= page <= INT32_MAX:
-            raise ValueError(f"page ids must be ints in [0, 2**31), got {page!r}")
+def check_pages(page_ids: Sequence[int], repeated: str | None = None) -> None:
+    """Page ids travel as int32 in match replies; page stores number pages from 0.
+    `repeated`: the error when one repeats (None: repeats are allowed)."""
+    bad = first_outside(page_ids, 0, INT32_MAX, repeated is not None)
+    if bad < 0:
+        return
+    page = page_ids[bad]
+    if isinstance(page, int) and 0 <= page <= INT32_MAX:
+        raise ValueError(f"{repeated}: {page_ids}")
+    raise ValueError(f"page ids must be ints in [0, 2**31), got {page!r}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from cache_service.index._compiled import Trie
-from cache_service.index.nodes import NONE, grown
+from cache_service.index.nodes import NONE, extend
 
 # Inline holder columns per node (kInline in csrc/trie.hpp). Four covers a page shared by
 # a handful of workers without a holder beyond them; each column costs 15 bytes a node.
@@ -40,13 +40,22 @@ class Holders:
         self.generation_arr = np.zeros((0, INLINE_HOLDERS), np.int64)
         self.tier_arr = np.zeros((0, INLINE_HOLDERS), np.uint8)  # an index into TIERS
 
+    def release_views(self) -> None:
+        """Drop the memoryviews of the columns (before they are resized)."""
+        self.count = None
+        self.page = self.generation = self.tier = []
+
     def grow(self, capacity: int) -> None:
-        """Extend the columns to `capacity` nodes and rebind the views."""
-        self.count_arr = grown(self.count_arr, capacity, 0)
-        self.slot_arr = grown(self.slot_arr, capacity, NONE)
-        self.page_arr = grown(self.page_arr, capacity, 0)
-        self.generation_arr = grown(self.generation_arr, capacity, 0)
-        self.tier_arr = grown(self.tier_arr, capacity, 0)
+        """Extend the columns to `capacity` nodes and rebind the views (after
+        `release_views`)."""
+        for name, fill in (
+            ("count_arr", 0),
+            ("slot_arr", NONE),
+            ("page_arr", 0),
+            ("generation_arr", 0),
+            ("tier_arr", 0),
+        ):
+            extend(self, name, capacity, fill)
         self.count = memoryview(self.count_arr)
         # One memoryview per holder column, for scalar reads.
         self.page = [memoryview(column) for column in self.page_arr.T]

@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from cache_service.index.holders import Holders
 
 NONE = -1  # "no node" / "no holder" inside the int columns, never outside the index
+# The node columns and what fills their unused entries.
+_COLUMNS = (
+    ("tokens_arr", 0),
+    ("parent_arr", NONE),
+    ("first_child_arr", NONE),
+    ("next_sibling_arr", NONE),
+    ("prev_sibling_arr", NONE),
+    ("key_arr", 0),
+    ("depth_arr", 0),
+    ("last_access_arr", 0),
+    ("chained_arr", 0),
+)
 
 
 class Nodes:
@@ -82,15 +94,15 @@ class Nodes:
 
     def grow(self, capacity: int) -> None:
         """Extend every column (the holders' too) to `capacity` nodes and attach them."""
-        self.tokens_arr = grown(self.tokens_arr, capacity, 0)
-        self.parent_arr = grown(self.parent_arr, capacity, NONE)
-        self.first_child_arr = grown(self.first_child_arr, capacity, NONE)
-        self.next_sibling_arr = grown(self.next_sibling_arr, capacity, NONE)
-        self.prev_sibling_arr = grown(self.prev_sibling_arr, capacity, NONE)
-        self.key_arr = grown(self.key_arr, capacity, 0)
-        self.depth_arr = grown(self.depth_arr, capacity, 0)
-        self.last_access_arr = grown(self.last_access_arr, capacity, 0)
-        self.chained_arr = grown(self.chained_arr, capacity, 0)
+        # Nothing may view a column while it is resized in place: the trie and the
+        # memoryviews let go of them first (a view held elsewhere makes it a copy).
+        self.trie.detach()
+        holders = self._holders
+        holders.release_views()
+        self.parent = self.first_child = self.next_sibling = self.prev_sibling = None
+        self.key = self.depth = self.last_access = self.chained = None
+        for name, fill in _COLUMNS:
+            extend(self, name, capacity, fill)
         self.parent = memoryview(self.parent_arr)
         self.first_child = memoryview(self.first_child_arr)
         self.next_sibling = memoryview(self.next_sibling_arr)
@@ -100,7 +112,6 @@ class Nodes:
         self.last_access = memoryview(self.last_access_arr)
         self.chained = memoryview(self.chained_arr)
         self.capacity = capacity
-        holders = self._holders
         holders.grow(capacity)
         self.trie.attach(
             self.tokens_arr,
@@ -151,8 +162,19 @@ class Nodes:
                 self.trie.release_root(root)
 
 
-def grown(column: np.ndarray, capacity: int, fill: int) -> np.ndarray:
-    """`column` extended to `capacity` nodes (its first axis), the new entries `fill`."""
-    extended = np.full((capacity, *column.shape[1:]), fill, column.dtype)
-    extended[: len(column)] = column
-    return extended
+def extend(owner: object, name: str, capacity: int, fill: int) -> None:
+    """Extend `owner`'s column `name` to `capacity` nodes (its first axis), the new entries
+    `fill`: resized in place (realloc, which moves large blocks without copying them)
+    when nothing else refers to it, else copied. The columns are C-contiguous, so the old
+    rows stay where they were."""
+    column = getattr(owner, name)
+    setattr(owner, name, None)  # this frame's reference is then the only one
+    size = len(column)
+    try:
+        column.resize((capacity, *column.shape[1:]), refcheck=True)
+    except ValueError:  # another reference to it (a view someone holds): copy
+        copy = np.empty((capacity, *column.shape[1:]), column.dtype)
+        copy[:size] = column
+        column = copy
+    column[size:] = fill
+    setattr(owner, name, column)

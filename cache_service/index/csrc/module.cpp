@@ -569,6 +569,11 @@ PyObject* trie_attach(PyObject* object, PyObject* const* args, Py_ssize_t nargs)
   Py_RETURN_NONE;
 }
 
+PyObject* trie_detach(PyObject* object, PyObject*) {
+  release_buffers(reinterpret_cast<TrieObject*>(object));
+  Py_RETURN_NONE;
+}
+
 bool attached(TrieObject* self) {
   if (self->held == kColumns) return true;
   PyErr_SetString(PyExc_RuntimeError, "the trie has no columns attached");
@@ -966,6 +971,8 @@ PyMethodDef trie_methods[] = {
      "attach(tokens, parent, first_child, next_sibling, prev_sibling, key, depth, "
      "last_access, chained, count, slot, page, generation, tier): hold these columns "
      "(after they grew)."},
+    {"detach", trie_detach, METH_NOARGS,
+     "detach(): let go of the columns (so they can be resized); nothing works until attach."},
     {"walk", FASTCALL(trie_walk),
      "walk(root, data, max_runs) -> (length, runs, nodes): the path `match` takes, as "
      "(first node, pages) runs of consecutive node ids, or, past max_runs runs, every "
@@ -1016,6 +1023,50 @@ PyGetSetDef trie_getset[] = {
 
 PyTypeObject TrieType = {PyVarObject_HEAD_INIT(nullptr, 0) nullptr};  // set at import
 
+// first_outside(values, low, high, distinct) -> the index of the first value that is not
+// an int in [low, high] (or, with distinct, repeats an earlier one); -1 when none is.
+PyObject* first_outside(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4)
+    return PyErr_Format(PyExc_TypeError,
+                        "first_outside(values, low, high, distinct) takes 4 arguments");
+  int64_t low, high;
+  if (!as_key(args[1], &low) || !as_key(args[2], &high)) return nullptr;
+  int distinct = PyObject_IsTrue(args[3]);
+  if (distinct < 0) return nullptr;
+  PyObject* fast = PySequence_Fast(args[0], "values must be a sequence");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  std::vector<std::pair<int64_t, Py_ssize_t>> seen;
+  Py_ssize_t bad = -1;
+  for (Py_ssize_t i = 0; i < count && bad < 0; ++i) {
+    if (!PyLong_Check(items[i])) {
+      bad = i;
+      break;
+    }
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (overflow != 0 || value < low || value > high) bad = i;
+    if (distinct) seen.emplace_back(value, i);
+  }
+  Py_DECREF(fast);
+  if (bad < 0 && distinct && seen.size() > 1) {
+    std::sort(seen.begin(), seen.end());
+    for (std::size_t i = 1; i < seen.size(); ++i)
+      if (seen[i].first == seen[i - 1].first && (bad < 0 || seen[i].second < bad))
+        bad = seen[i].second;  // the later of the two: pairs sort by value, then index
+  }
+  return PyLong_FromSsize_t(bad);
+}
+
+PyMethodDef module_methods[] = {
+    {"first_outside", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(first_outside)),
+     METH_FASTCALL,
+     "first_outside(values, low, high, distinct) -> the index of the first value that is not "
+     "an int in [low, high] (with distinct: or that repeats an earlier one), -1 when none."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 // Fill in and ready one of the module's types.
 bool ready(PyTypeObject* type, const char* name, const char* doc, std::size_t size, newfunc make,
            destructor dealloc, PyMethodDef* methods, PyGetSetDef* getset) {
@@ -1031,7 +1082,7 @@ bool ready(PyTypeObject* type, const char* name, const char* doc, std::size_t si
 }
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_compiled",
-                          "The global index's compiled parts.", -1, nullptr};
+                          "The global index's compiled parts.", -1, module_methods};
 
 }  // namespace
 
