@@ -63,7 +63,7 @@ class Nodes:
         holders.trie = self.trie
         self.capacity = 0
         self.tokens_arr = np.zeros((0, page_tokens), TOKEN_DTYPE)  # (nodes, page_tokens)
-        self.parent_arr = np.zeros(0, np.intp)
+        self.parent_arr = np.zeros(0, np.int32)
         self.first_child_arr = np.zeros(0, np.int32)
         self.next_sibling_arr = np.zeros(0, np.int32)
         self.prev_sibling_arr = np.zeros(0, np.int32)

@@ -965,7 +965,7 @@ def test_the_compiled_trie_reads_only_columns_that_agree_and_nodes_inside_them()
     with pytest.raises(ValueError, match="column key has 63 nodes, the others 64"):
         trie.attach(*columns(nodes, key=nodes.key_arr[:-1]))
     with pytest.raises(TypeError, match="chained has 8-byte items"):
-        trie.attach(*columns(nodes, chained=nodes.parent_arr))
+        trie.attach(*columns(nodes, chained=nodes.key_arr))
     with pytest.raises(ValueError, match="columns shrank"):
         trie.attach(*columns(nodes, **{name: column[:2] for name, column in zip(
             ("tokens", "parent", "first_child", "next_sibling", "prev_sibling", "key", "depth",

@@ -463,7 +463,7 @@ const char* const kColumnNames[kColumns] = {
     "tokens", "parent",  "first_child", "next_sibling", "prev_sibling", "key",        "depth",
     "last_access", "chained", "count", "slot", "page", "generation", "tier"};
 // Bytes an item, and items a node (0: page_bytes / itemsize, for the tokens).
-const Py_ssize_t kItemSize[kColumns] = {4, 8, 4, 4, 4, 8, 4, 8, 1, 2, 2, 4, 8, 1};
+const Py_ssize_t kItemSize[kColumns] = {4, 4, 4, 4, 4, 8, 4, 8, 1, 2, 2, 4, 8, 1};
 const Py_ssize_t kPerNode[kColumns] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4};
 
 struct TrieObject {
@@ -554,7 +554,7 @@ PyObject* trie_attach(PyObject* object, PyObject* const* args, Py_ssize_t nargs)
     capacity = nodes;
   }
   kvmesh::TrieColumns columns{
-      static_cast<char*>(buffers[0].buf),      static_cast<int64_t*>(buffers[1].buf),
+      static_cast<char*>(buffers[0].buf),      static_cast<int32_t*>(buffers[1].buf),
       static_cast<int32_t*>(buffers[2].buf),   static_cast<int32_t*>(buffers[3].buf),
       static_cast<int32_t*>(buffers[4].buf),   static_cast<int64_t*>(buffers[5].buf),
       static_cast<int32_t*>(buffers[6].buf),   static_cast<int64_t*>(buffers[7].buf),

@@ -34,7 +34,7 @@ constexpr int64_t kMaxPage = INT32_MAX;  // page ids travel as int32 in match re
 // The columns, writable, `capacity` nodes each (the holder ones kInline per node).
 struct TrieColumns {
   char* tokens;
-  int64_t* parent;
+  int32_t* parent;  // node ids are int32: the capacity stays below 2**31
   int32_t* first_child;
   int32_t* next_sibling;
   int32_t* prev_sibling;
@@ -160,6 +160,8 @@ class Trie {
   // Rebind the columns (after they grew); node ids handed out stay below the capacity.
   void attach(const TrieColumns& columns) {
     if (columns.capacity < allocated_) throw std::invalid_argument("the columns shrank");
+    if (columns.capacity > static_cast<std::size_t>(INT32_MAX))
+      throw std::invalid_argument("node ids are int32: at most 2**31 - 1 nodes");
     c_ = columns;
     view_ = NodeColumns{c_.tokens, c_.parent, c_.first_child, c_.chained,
                         c_.key,    c_.capacity, c_.page_bytes};
@@ -440,7 +442,7 @@ class Trie {
     c_.key[node] = key;
     int32_t depth = c_.depth[node] = c_.depth[parent] + 1;
     max_depth_ = std::max(max_depth_, static_cast<std::size_t>(depth));
-    c_.parent[node] = parent;
+    c_.parent[node] = static_cast<int32_t>(parent);
     c_.chained[node] = parent == node - 1;
     int32_t first = c_.first_child[parent];
     c_.next_sibling[node] = first;

@@ -24,7 +24,7 @@ constexpr int64_t kNone = -1;
 // Read-only views of the node columns (owned elsewhere), `capacity` nodes each.
 struct NodeColumns {
   const char* tokens;        // capacity x page_bytes: each node's page of int32 tokens
-  const int64_t* parent;     // kNone for a root
+  const int32_t* parent;     // kNone for a root
   const int32_t* first_child;
   const uint8_t* chained;    // 1: the node's parent is node id - 1
   const int64_t* key;
