@@ -9,6 +9,7 @@ A body is a map on the wire and a typed value (`cache_service.messages`) on both
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple
 
@@ -306,10 +307,24 @@ def _encode(msg: Message, limits: Limits) -> bytes:
     return _pack(envelope, plan.path, request_id, limits)
 
 
+_packers = threading.local()  # a packer per thread: a Packer is not thread-safe
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer. `msgpack.packb` makes a packer, and so allocates its 256 KiB
+    buffer, on every call: in the service process, which keeps blocks of 128 KiB and more
+    mapped (`cache_service.malloc`), that is an mmap and an munmap per frame."""
+    try:
+        return _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+        return packer
+
+
 def _pack(envelope: dict, path: str, request_id: int, limits: Limits) -> bytes:
     """The envelope as a frame, within max_frame_bytes."""
     try:
-        frame = msgpack.packb(envelope, use_bin_type=True)
+        frame = _packer().pack(envelope)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(BAD_FIELD, f"{path}: cannot encode body: {exc}", request_id) from None
     if len(frame) > limits.max_frame_bytes:
