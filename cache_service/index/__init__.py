@@ -18,13 +18,16 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 
 - `keys`: chained prefix keys, one 64-bit key per page naming its whole prefix;
 - `_compiled` (C++, `csrc/`, built by the package's install): the key table (key ->
-  node ids, open addressing in two flat arrays), the key sums, and the match walk over
-  the node columns;
-- `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access);
-- `walk`: the match walk, by runs of consecutive node ids (compiled; its `Path`);
+  node ids, open addressing in two flat arrays), the key sums, and the trie's work over
+  the node and holder columns: a match (the walk by runs of consecutive node ids, every
+  holder's span along it), the writes (storing, demoting and dropping chains, pruning,
+  the holders beyond the inline columns, the free list) and each worker's page map;
+- `nodes`: the trie's nodes as numpy columns (structure, keys, tokens, access), grown in
+  place and attached to the compiled trie;
 - `holders`: who holds each node (page id, generation, tier), in four inline columns and
-  a side dict;
-- `chains`: storing, demoting and dropping workers' chains of pages;
+  beyond them (kept by the compiled trie);
+- `chains`: what each event means (checked first, all of a batch), the compiled writes
+  it makes, and the tallies of removals and demotions;
 - `batches`: the order of each worker's event batches, and when it must resync;
 - `registry`: workers, slots, liveness, reverse page maps, pages per tier, peer entries;
 - `tallies`: hit statistics per tenant and per requester;

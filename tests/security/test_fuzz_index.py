@@ -1,0 +1,48 @@
+"""A bounded run of the index's coverage-guided fuzzer (fuzz_index.py): no input may crash
+the process, raise anything but a refusal, or leave the index failing its integrity check.
+
+The run is short (FUZZ_S); a longer one is `python tests/security/fuzz_index.py
+-max_total_time=N corpus_dir`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FUZZ_S = 40
+HARNESS = Path(__file__).with_name("fuzz_index.py")
+
+
+def test_the_fuzzer_finds_nothing_in_a_bounded_run(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HARNESS),
+            f"-max_total_time={FUZZ_S}",
+            "-print_final_stats=1",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=FUZZ_S + 120,
+        cwd=tmp_path,
+    )
+    log = out.stderr[-4000:]
+    assert out.returncode == 0, log
+    assert not list(tmp_path.glob("crash-*")) and not list(tmp_path.glob("timeout-*")), log
+    runs = int(
+        next(
+            line for line in out.stderr.splitlines() if "stat::number_of_executed_units" in line
+        ).split()[-1]
+    )
+    assert runs > 1000, log  # it ran, and fast enough to mean something
+    assert len(list(corpus.iterdir())) > 10, log  # coverage guided it to new inputs
