@@ -18,6 +18,13 @@ setup(
             ],
             language="c++",
             extra_compile_args=["-std=c++17", "-O2"],
-        )
+        ),
+        Extension(
+            "cache_service._native",
+            sources=["cache_service/csrc/native.cpp"],
+            depends=["cache_service/csrc/blake2b.hpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3"],
+        ),
     ]
 )

@@ -15,6 +15,8 @@ from collections.abc import Set as AbstractSet
 
 import numpy as np
 
+from cache_service import _native
+
 TOKEN_BYTES = 4
 TOKEN_DTYPE = np.dtype("<i4")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -43,6 +45,10 @@ def pack_tokens(ids: TokenIds) -> bytes:
         ValueError: not a flat sequence of integers, or an id outside int32 (the message
             names the first offending id and its index).
     """
+    if type(ids) is list or type(ids) is tuple:
+        packed = _native.pack_int32(ids)  # one compiled pass over exact ints in int32
+        if packed is not None:
+            return packed
     if type(ids) is not list:  # lists, the common case, need none of these checks
         if type(ids) is PackedTokens:
             return ids.packed

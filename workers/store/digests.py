@@ -13,7 +13,9 @@ Tokens are the packed little-endian int32 bytes of `cache_service.tokens`; only 
 have digests (a partial page is never shared). The two hashes use distinct personalisation
 tags, so a root can never be confused with a page digest.
 
-Pure Python over hashlib: the prefix cache computes one `next_digest` per published page.
+The page hash is compiled (`cache_service._native`, BLAKE2b as RFC 7693 defines it, held
+to hashlib's by the tests): publishing hashes every new page, a chain at a time
+(`chain_digests`). The root is hashed once per namespace, with hashlib.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import struct
 from collections.abc import Iterable
 from hashlib import blake2b
 
+from cache_service import _native
 from cache_service.events import Namespace
 from cache_service.tokens import TOKEN_BYTES, TokenInput, as_packed
 
@@ -29,9 +32,8 @@ DIGEST_BYTES = 16
 EMPTY_DIGEST = bytes(DIGEST_BYTES)  # what an unpublished or freed page records
 
 _ROOT = blake2b(digest_size=DIGEST_BYTES, person=b"kvmesh-root-v1")
-# Copied for each page: a prepared hasher is about twice as fast as passing the
-# parameters again, and publish pays this once per new page.
-_PAGE = blake2b(digest_size=DIGEST_BYTES, person=b"kvmesh-page-v1")
+# Pages hash as blake2b(digest_size=16, person=b"kvmesh-page-v1"), compiled
+# (csrc/native.cpp), and an all-zero digest gets its first byte set (see _never_empty).
 _LENGTH = struct.Struct("<I")
 
 
@@ -63,30 +65,19 @@ def next_digest(parent: bytes, page: bytes) -> bytes:
         parent: the previous page's digest, or the root digest for the first page.
         page: the page's tokens, packed (`page_tokens * 4` bytes).
     """
-    h = _PAGE.copy()
-    h.update(parent)
-    h.update(page)
-    return _never_empty(h.digest())
+    return _native.next_digest(parent, page)
 
 
 def extend_chain(parent: bytes, pages: Iterable[bytes]) -> list[bytes]:
     """The digests of consecutive pages under `parent`: `next_digest` folded along them.
-
-    The prefix cache's publish path: one call per published run, the loop kept tight.
 
     Args:
         parent: the digest of the page before the first (or the root digest).
         pages: each page's tokens, packed.
     """
     digests = []
-    copy = _PAGE.copy
     for page in pages:
-        h = copy()
-        h.update(parent)
-        h.update(page)
-        parent = h.digest()
-        if parent == EMPTY_DIGEST:
-            parent = _never_empty(parent)
+        parent = _native.next_digest(parent, page)
         digests.append(parent)
     return digests
 
@@ -106,23 +97,7 @@ def chain_digests(root: bytes, packed: bytes, page_tokens: int) -> list[bytes]:
         raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
     if len(root) != DIGEST_BYTES:
         raise ValueError(f"root digest must be {DIGEST_BYTES} bytes, got {len(root)}")
-    step = page_tokens * TOKEN_BYTES
-    # `extend_chain` inlined over slices of `packed`: publish hashes every page this way.
-    # The empty digest is looked for once at the end, not once a page: it never comes (a
-    # chance of 2**-128 a page), and if it does, the careful loop computes the chain again.
-    digests: list[bytes] = []
-    append, copy, parent = digests.append, _PAGE.copy, root
-    for start in range(0, len(packed) - step + 1, step):
-        h = copy()
-        h.update(parent)
-        h.update(packed[start : start + step])
-        parent = h.digest()
-        append(parent)
-    if EMPTY_DIGEST in digests:
-        return extend_chain(
-            root, (packed[i : i + step] for i in range(0, len(packed) - step + 1, step))
-        )
-    return digests
+    return _native.chain_digests(root, packed, page_tokens * TOKEN_BYTES)
 
 
 def page_digests(

@@ -1,0 +1,175 @@
+// cache_service._native: the compiled parts both sides of the mesh use on every request:
+// packing token ids (cache_service/tokens.py) and the chain of page digests
+// (workers/store/digests.py). CPython's C API only, as the index's module.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "blake2b.hpp"
+
+namespace {
+
+// pack_int32(ids: list | tuple) -> bytes (little-endian int32), or None when an id is not
+// an exact int in int32 (out of range, a bool, an int subclass, a numpy scalar): the
+// caller's general path then packs those or names the bad id.
+PyObject* pack_int32(PyObject*, PyObject* ids) {
+  if (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids))
+    return PyErr_Format(PyExc_TypeError, "pack_int32 takes a list or a tuple, got %s",
+                        Py_TYPE(ids)->tp_name);
+  PyObject** items = PySequence_Fast_ITEMS(ids);
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(ids);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, count * 4);
+  if (out == nullptr) return nullptr;
+  auto* raw = reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(out));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* item = items[i];
+    int overflow = 0;
+    long value = PyLong_CheckExact(item) ? PyLong_AsLongAndOverflow(item, &overflow) : 0;
+    if (!PyLong_CheckExact(item) || overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    auto word = static_cast<uint32_t>(static_cast<int32_t>(value));
+    raw[4 * i] = static_cast<unsigned char>(word);
+    raw[4 * i + 1] = static_cast<unsigned char>(word >> 8);
+    raw[4 * i + 2] = static_cast<unsigned char>(word >> 16);
+    raw[4 * i + 3] = static_cast<unsigned char>(word >> 24);
+  }
+  return out;
+}
+
+constexpr std::size_t kDigest = 16;
+const unsigned char kPagePerson[] = "kvmesh-page-v1";  // 14 bytes, zero-padded to 16
+
+// One page's digest under `parent` (never all zeros: that means "nothing published").
+void page_digest(const unsigned char* parent, const unsigned char* page, std::size_t bytes,
+                 unsigned char* out) {
+  kvmesh::Blake2b hash(kDigest, kPagePerson, sizeof(kPagePerson) - 1);
+  hash.update(parent, kDigest);
+  hash.update(page, bytes);
+  hash.final(out);
+  bool empty = true;
+  for (std::size_t i = 0; i < kDigest && empty; ++i) empty = out[i] == 0;
+  if (empty) out[0] = 1;
+}
+
+// chain_digests(parent, packed, page_bytes) -> [digest of each full page of `packed`,
+// each under the one before, the first under `parent`].
+PyObject* chain_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError,
+                        "chain_digests(parent, packed, page_bytes) takes 3 arguments");
+  Py_ssize_t page_bytes = PyLong_AsSsize_t(args[2]);
+  if (page_bytes == -1 && PyErr_Occurred()) return nullptr;
+  if (page_bytes < 1) return PyErr_Format(PyExc_ValueError, "page_bytes must be >= 1");
+  Py_buffer parent, packed;
+  if (PyObject_GetBuffer(args[0], &parent, PyBUF_SIMPLE) != 0) return nullptr;
+  if (parent.len != static_cast<Py_ssize_t>(kDigest)) {
+    PyBuffer_Release(&parent);
+    return PyErr_Format(PyExc_ValueError, "a digest is %zu bytes, got %zd", kDigest, parent.len);
+  }
+  if (PyObject_GetBuffer(args[1], &packed, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&parent);
+    return nullptr;
+  }
+  Py_ssize_t pages = packed.len / page_bytes;
+  PyObject* out = PyList_New(pages);
+  unsigned char digest[kDigest];
+  std::memcpy(digest, parent.buf, kDigest);
+  const auto* data = static_cast<const unsigned char*>(packed.buf);
+  for (Py_ssize_t i = 0; out != nullptr && i < pages; ++i) {
+    page_digest(digest, data + i * page_bytes, static_cast<std::size_t>(page_bytes), digest);
+    PyObject* item = PyBytes_FromStringAndSize(reinterpret_cast<char*>(digest), kDigest);
+    if (item == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyList_SET_ITEM(out, i, item);
+  }
+  PyBuffer_Release(&parent);
+  PyBuffer_Release(&packed);
+  return out;
+}
+
+// next_digest(parent, page) -> the digest of one page (of any length) under `parent`.
+PyObject* next_digest(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "next_digest(parent, page) takes 2");
+  Py_buffer parent, page;
+  if (PyObject_GetBuffer(args[0], &parent, PyBUF_SIMPLE) != 0) return nullptr;
+  if (parent.len != static_cast<Py_ssize_t>(kDigest)) {
+    PyBuffer_Release(&parent);
+    return PyErr_Format(PyExc_ValueError, "a digest is %zu bytes, got %zd", kDigest, parent.len);
+  }
+  if (PyObject_GetBuffer(args[1], &page, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&parent);
+    return nullptr;
+  }
+  unsigned char digest[kDigest];
+  page_digest(static_cast<const unsigned char*>(parent.buf),
+              static_cast<const unsigned char*>(page.buf), static_cast<std::size_t>(page.len),
+              digest);
+  PyBuffer_Release(&parent);
+  PyBuffer_Release(&page);
+  return PyBytes_FromStringAndSize(reinterpret_cast<char*>(digest), kDigest);
+}
+
+// blake2b(data, digest_bytes, person) -> bytes: the hash itself, for the tests that hold
+// it to hashlib's.
+PyObject* blake2b(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "blake2b(data, digest_bytes, person)");
+  Py_ssize_t size = PyLong_AsSsize_t(args[1]);
+  if (size == -1 && PyErr_Occurred()) return nullptr;
+  if (size < 1 || size > 64) return PyErr_Format(PyExc_ValueError, "digest_bytes in [1, 64]");
+  Py_buffer data, person;
+  if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  if (PyObject_GetBuffer(args[2], &person, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&data);
+    return nullptr;
+  }
+  if (person.len > 16) {
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&person);
+    return PyErr_Format(PyExc_ValueError, "a personalisation is at most 16 bytes");
+  }
+  kvmesh::Blake2b hash(static_cast<std::size_t>(size),
+                       static_cast<const unsigned char*>(person.buf),
+                       static_cast<std::size_t>(person.len));
+  hash.update(static_cast<const unsigned char*>(data.buf), static_cast<std::size_t>(data.len));
+  unsigned char out[64];
+  hash.final(out);
+  PyBuffer_Release(&data);
+  PyBuffer_Release(&person);
+  return PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), size);
+}
+
+#define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
+
+PyMethodDef methods[] = {
+    {"pack_int32", pack_int32, METH_O,
+     "pack_int32(ids) -> bytes (little-endian int32), or None when an id is not an exact "
+     "int in int32."},
+    {"chain_digests", FASTCALL(chain_digests),
+     "chain_digests(parent, packed, page_bytes) -> [16-byte digest of each full page, each "
+     "under the one before]."},
+    {"next_digest", FASTCALL(next_digest),
+     "next_digest(parent, page) -> the 16-byte digest of one page under `parent`."},
+    {"blake2b", FASTCALL(blake2b),
+     "blake2b(data, digest_bytes, person) -> BLAKE2b of data, unkeyed, personalised."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_native",
+                          "Token packing and page digests, compiled.", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native(void) {
+#if PY_BIG_ENDIAN
+  PyErr_SetString(PyExc_ImportError, "the compiled parts read little-endian tokens");
+  return nullptr;
+#endif
+  return PyModule_Create(&module_def);
+}
