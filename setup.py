@@ -22,7 +22,7 @@ setup(
         Extension(
             "cache_service._native",
             sources=["cache_service/csrc/native.cpp"],
-            depends=["cache_service/csrc/blake2b.hpp"],
+            depends=["cache_service/csrc/blake2b.hpp", "cache_service/csrc/match_wire.hpp"],
             language="c++",
             extra_compile_args=["-std=c++17", "-O3"],
         ),

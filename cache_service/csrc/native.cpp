@@ -1,6 +1,7 @@
 // cache_service._native: the compiled parts both sides of the mesh use on every request:
-// packing token ids (cache_service/tokens.py) and the chain of page digests
-// (workers/store/digests.py). CPython's C API only, as the index's module.
+// packing token ids (cache_service/tokens.py), the chain of page digests
+// (workers/store/digests.py), and a MATCH request and its reply on the wire
+// (cache_service/protocol/codec.py). CPython's C API only, as the index's module.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "blake2b.hpp"
+#include "match_wire.hpp"
 
 namespace {
 
@@ -145,6 +147,132 @@ PyObject* blake2b(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), size);
 }
 
+// read_match(frame, version, str_bytes, str_chars, token_bytes) -> (request_id, model,
+// adapter, salt, tokens, requester) of a well-formed MATCH request, or None for anything
+// else (the general decoder then reads it and names what is wrong).
+PyObject* read_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5)
+    return PyErr_Format(PyExc_TypeError,
+                        "read_match(frame, version, str_bytes, str_chars, token_bytes)");
+  Py_ssize_t numbers[4];
+  for (int i = 0; i < 4; ++i) {
+    numbers[i] = PyLong_AsSsize_t(args[1 + i]);
+    if (numbers[i] == -1 && PyErr_Occurred()) return nullptr;
+    if (numbers[i] < 0) return PyErr_Format(PyExc_ValueError, "read_match: a negative limit");
+  }
+  Py_buffer frame;
+  if (PyObject_GetBuffer(args[0], &frame, PyBUF_SIMPLE) != 0) return nullptr;
+  kvmesh::MatchRequest request;
+  kvmesh::MatchLimits limits{static_cast<uint64_t>(numbers[0]),
+                             static_cast<std::size_t>(numbers[1]),
+                             static_cast<std::size_t>(numbers[3])};
+  PyObject* out = nullptr;
+  if (kvmesh::read_match(static_cast<const unsigned char*>(frame.buf),
+                         static_cast<std::size_t>(frame.len), limits, &request)) {
+    PyObject* texts[4] = {};
+    std::string_view views[4] = {request.model, request.adapter, request.salt,
+                                 request.requester};
+    int wanted = request.has_requester ? 4 : 3;
+    bool fine = true;
+    for (int i = 0; i < wanted && fine; ++i) {
+      texts[i] = PyUnicode_DecodeUTF8(views[i].data(), static_cast<Py_ssize_t>(views[i].size()),
+                                      "strict");
+      fine = texts[i] != nullptr && PyUnicode_GET_LENGTH(texts[i]) <= numbers[2];
+    }
+    PyObject* tokens = fine ? PyBytes_FromStringAndSize(
+                                  request.tokens.data(),
+                                  static_cast<Py_ssize_t>(request.tokens.size()))
+                            : nullptr;
+    if (tokens != nullptr) {
+      if (!request.has_requester) {
+        Py_INCREF(Py_None);
+        texts[3] = Py_None;
+      }
+      out = Py_BuildValue("(KNNNNN)", static_cast<unsigned long long>(request.request_id),
+                          texts[0], texts[1], texts[2], tokens, texts[3]);
+    } else {
+      for (PyObject* text : texts) Py_XDECREF(text);
+      PyErr_Clear();  // not UTF-8, or too long: the general decoder says which
+    }
+  }
+  PyBuffer_Release(&frame);
+  if (out == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
+  return out;
+}
+
+// A span's fields as the wire holds them: (worker_id, tier, page_ids, generations, tiers),
+// str, str and bytes; false for anything else (a HolderSpan's int tuples, say).
+bool packed_span(PyObject* span, std::string_view fields[5]) {
+  if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) != 5) return false;
+  for (int i = 0; i < 5; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(span, i);
+    if (i < 2) {
+      if (!PyUnicode_CheckExact(item)) return false;
+      Py_ssize_t size;
+      const char* text = PyUnicode_AsUTF8AndSize(item, &size);
+      if (text == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      fields[i] = std::string_view(text, static_cast<std::size_t>(size));
+    } else {
+      if (!PyBytes_CheckExact(item)) return false;
+      fields[i] = std::string_view(PyBytes_AS_STRING(item),
+                                   static_cast<std::size_t>(PyBytes_GET_SIZE(item)));
+    }
+  }
+  return true;
+}
+
+// write_match_reply(version, request_id, matched_tokens, spans) -> the OK reply's frame,
+// the bytes msgpack's packer writes for the general path's envelope; None when a span is
+// not packed (the general path then encodes it).
+PyObject* write_match_reply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4)
+    return PyErr_Format(PyExc_TypeError,
+                        "write_match_reply(version, request_id, matched_tokens, spans)");
+  unsigned long long numbers[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!PyLong_CheckExact(args[i])) Py_RETURN_NONE;
+    numbers[i] = PyLong_AsUnsignedLongLong(args[i]);
+    if (PyErr_Occurred() || numbers[i] > static_cast<unsigned long long>(INT64_MAX)) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+  }
+  PyObject* spans = args[3];
+  if (!PyTuple_CheckExact(spans)) Py_RETURN_NONE;
+  kvmesh::MsgpackWriter w;
+  w.out.reserve(64);
+  w.map(5);
+  w.str("v");
+  w.uint(numbers[0]);
+  w.str("t");
+  w.str("ok");
+  w.str("id");
+  w.uint(numbers[1]);
+  w.str("b");
+  w.map(2);
+  w.str("matched_tokens");
+  w.uint(numbers[2]);
+  w.str("spans");
+  Py_ssize_t count = PyTuple_GET_SIZE(spans);
+  w.array(static_cast<std::size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    std::string_view fields[5];
+    if (!packed_span(PyTuple_GET_ITEM(spans, i), fields)) Py_RETURN_NONE;
+    w.array(fields[4].empty() ? 4 : 5);
+    w.str(fields[0]);
+    w.str(fields[1]);
+    w.bin(fields[2]);
+    w.bin(fields[3]);
+    if (!fields[4].empty()) w.bin(fields[4]);
+  }
+  w.str("r");
+  w.str("match");
+  return PyBytes_FromStringAndSize(w.out.data(), static_cast<Py_ssize_t>(w.out.size()));
+}
+
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 
 PyMethodDef methods[] = {
@@ -156,6 +284,12 @@ PyMethodDef methods[] = {
      "under the one before]."},
     {"next_digest", FASTCALL(next_digest),
      "next_digest(parent, page) -> the 16-byte digest of one page under `parent`."},
+    {"read_match", FASTCALL(read_match),
+     "read_match(frame, version, str_bytes, str_chars, token_bytes) -> (request_id, model, "
+     "adapter, salt, tokens, requester) of a well-formed MATCH request, else None."},
+    {"write_match_reply", FASTCALL(write_match_reply),
+     "write_match_reply(version, request_id, matched_tokens, spans) -> the frame of an OK "
+     "reply to MATCH with packed spans, else None."},
     {"blake2b", FASTCALL(blake2b),
      "blake2b(data, digest_bytes, person) -> BLAKE2b of data, unkeyed, personalised."},
     {nullptr, nullptr, 0, nullptr},

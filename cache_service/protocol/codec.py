@@ -15,8 +15,9 @@ from typing import Any, Literal, NamedTuple
 
 import msgpack
 
+from cache_service import _native
 from cache_service.events import Namespace
-from cache_service.messages import ErrorReply, Match, MatchResult, PackedSpan, Reply, Request
+from cache_service.messages import ErrorReply, Match, MatchResult, Reply, Request
 from cache_service.protocol.errors import (
     BAD_FIELD,
     BAD_FRAME,
@@ -48,7 +49,6 @@ from cache_service.protocol.table import (
 )
 
 _tuple_new = tuple.__new__
-_MATCH_FIELDS = MESSAGES[MATCH].request.fields.keys()
 
 
 class Message(NamedTuple):
@@ -125,6 +125,20 @@ def decode(
     """
     if expect not in ("request", "reply"):
         raise ValueError(f"expect must be 'request' or 'reply', got {expect!r}")
+    if expect == "request" and type(frame) is bytes and 0 < len(frame) <= limits.max_frame_bytes:
+        # One per lookup: a well-formed MATCH is read without the msgpack objects between
+        # (compiled, the same checks); anything else is read below, which names the fault.
+        fields = _native.read_match(frame, PROTOCOL_VERSION, *_match_limits(limits))
+        if fields is not None:
+            request_id, model, adapter, salt, tokens, requester = fields
+            namespace = _tuple_new(Namespace, (model, adapter, salt))
+            body = _tuple_new(Match, (namespace, tokens, requester))
+            return _tuple_new(Message, (MATCH, request_id, body, ""))
+    return _decode_frame(frame, expect, limits)
+
+
+def _decode_frame(frame: bytes | bytearray | memoryview, expect: str, limits: Limits) -> Message:
+    """`decode`'s general path: the frame's msgpack objects, then every check on them."""
     envelope = unpack(frame, limits)
     if type(envelope) is not dict:
         raise ProtocolError(
@@ -167,8 +181,6 @@ def _decode_body(envelope: dict, expect: str, request_id: int, limits: Limits) -
         plan = MESSAGES[answers].reply
     elif kind == ERROR:
         plan = ERROR_BODY
-    elif kind == MATCH and (body := _match_body(envelope["b"], limits)) is not None:
-        return _tuple_new(Message, (kind, request_id, body, answers))
     else:
         plan = MESSAGES[kind].request
     wire = envelope["b"]
@@ -199,30 +211,15 @@ def _check_body(wire: Any, plan: Body, limits: Limits) -> Any:
     )
 
 
-def _match_body(wire: Any, limits: Limits) -> Match | None:
-    """A MATCH request's body when every field passes the table's checks (the same tests,
-    inline: one per lookup); None for anything else, which the table's checks then name."""
-    if type(wire) is not dict or wire.keys() != _MATCH_FIELDS:
-        return None
-    namespace, tokens, requester = wire["namespace"], wire["tokens"], wire["requester"]
-    if type(namespace) is not list or len(namespace) != 3:
-        return None
-    model, adapter, salt = namespace
-    longest = limits.max_str_len
-    if not (
-        type(model) is str
-        and type(adapter) is str
-        and type(salt) is str
-        and len(model) <= longest
-        and len(adapter) <= longest
-        and len(salt) <= longest
-        and type(tokens) is bytes
-        and not len(tokens) & 3
-        and len(tokens) <= 4 * limits.max_tokens
-        and (requester is None or (type(requester) is str and 0 < len(requester) <= longest))
-    ):
-        return None
-    return _tuple_new(Match, (_tuple_new(Namespace, namespace), tokens, requester))
+def _match_limits(limits: Limits) -> tuple[int, int, int]:
+    """read_match's bounds under `limits` (kept on `limits`): the longest str msgpack reads
+    (bytes), the longest name (characters), the longest packed prompt (bytes)."""
+    bounds = getattr(limits, "_match_limits", None)
+    if bounds is None:
+        longest_read = max(limits.max_str_len, limits.max_text_len)
+        bounds = (longest_read, limits.max_str_len, 4 * limits.max_tokens)
+        object.__setattr__(limits, "_match_limits", bounds)  # not a field, as _fast_unpack
+    return bounds
 
 
 def _deep(path: str, allowed: int) -> ProtocolError:
@@ -338,24 +335,19 @@ def _pack(envelope: dict, path: str, request_id: int, limits: Limits) -> bytes:
 
 def _encode_match_reply(request_id: int, body: MatchResult, limits: Limits) -> bytes:
     """`encode` of an OK reply to MATCH, unchecked, as the server sends one per lookup: the
-    same frame as the general path (the same envelope, in the same key order), made
-    without its table lookups; spans other than PackedSpans take the general path."""
+    same frame as the general path (the same envelope, in the same key order, the bytes
+    msgpack's packer writes), written compiled; spans other than PackedSpans take the
+    general path."""
     request_id = _check_request_id(request_id, 0)
     matched, spans = body
-    wire = []
-    for span in spans if type(spans) is tuple else (None,):
-        if type(span) is not PackedSpan:
-            return _encode(Message(OK, request_id, body, MATCH), limits)
-        worker, tier, page_ids, generations, tiers = span
-        if tiers:
-            wire.append([worker, tier, page_ids, generations, tiers])
-        else:
-            wire.append([worker, tier, page_ids, generations])
-    envelope = {
-        "v": PROTOCOL_VERSION,
-        "t": OK,
-        "id": request_id,
-        "b": {"matched_tokens": matched, "spans": wire},
-        "r": MATCH,
-    }
-    return _pack(envelope, f"{MATCH}.reply", request_id, limits)
+    frame = _native.write_match_reply(PROTOCOL_VERSION, request_id, matched, spans)
+    if frame is None:
+        return _encode(Message(OK, request_id, body, MATCH), limits)
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError(
+            TOO_LARGE,
+            f"{MATCH}.reply: frame of {len(frame)} bytes exceeds max_frame_bytes "
+            f"{limits.max_frame_bytes}",
+            request_id,
+        )
+    return frame
