@@ -1,7 +1,9 @@
-"""A bounded run of the index's coverage-guided fuzzer (fuzz_index.py): no input may crash
-the process, raise anything but a refusal, or leave the index failing its integrity check.
+"""A bounded run of the coverage-guided fuzzer of the compiled entry points
+(fuzz_compiled.py): no input may crash the process, raise anything but a refusal, leave
+the index failing its integrity check, or be read by the compiled MATCH reader otherwise
+than the general decoder reads it.
 
-The run is short (FUZZ_S); a longer one is `python tests/security/fuzz_index.py
+The run is short (FUZZ_S); a longer one is `python tests/security/fuzz_compiled.py
 -max_total_time=N corpus_dir`.
 """
 
@@ -16,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 FUZZ_S = 40
-HARNESS = Path(__file__).with_name("fuzz_index.py")
+HARNESS = Path(__file__).with_name("fuzz_compiled.py")
 
 
 def test_the_fuzzer_finds_nothing_in_a_bounded_run(tmp_path):

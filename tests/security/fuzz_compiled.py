@@ -1,18 +1,21 @@
-"""Coverage-guided fuzzing of the index's compiled entry points (atheris, libFuzzer's engine).
+"""Coverage-guided fuzzing of the compiled entry points (atheris, libFuzzer's engine): the
+index's (`cache_service.index._compiled`) and the wire's (`cache_service._native`).
 
 Each input is read as a run of operations on a small index (pages of 2 tokens from a
 3-token alphabet, so prefixes are shared, and 6 workers, more than the 4 inline holder
 columns): stored, removed and demoted chains, clears and resyncs with page ids, parents,
 generations, tiers and token counts that are sometimes wrong, matches and routes of any
 tokens; and direct calls of the compiled objects (`Trie`, `PageMap`, `KeyTable`,
-`ChainKeys`, `first_outside`) with arbitrary ints, node ids and bytes. A wrong argument
+`ChainKeys`, `first_outside`) with arbitrary ints, node ids and bytes; and frames of any
+bytes for the compiled MATCH reader, whatever it reads held to what the general decoder
+reads, with token packing and page digests beside it. A wrong argument
 may raise ValueError or TypeError and must change nothing; anything else that raises, an
 `AssertionError` from `check_integrity()` after the run, or a crash of the process (a
 memory error in the compiled code) is a finding: libFuzzer saves the input as crash-*.
 
-    python tests/security/fuzz_index.py -max_total_time=60 [corpus_dir]
+    python tests/security/fuzz_compiled.py -max_total_time=60 [corpus_dir]
 
-`tests/security/test_fuzz_index.py` runs it for a bounded time in CI.
+`tests/security/test_fuzz_compiled.py` runs it for a bounded time in CI.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["cache_service"]):
+    from cache_service import _native, protocol
     from cache_service.events import (
         REMOVAL_REASONS,
         TIERS,
@@ -34,6 +38,9 @@ with atheris.instrument_imports(include=["cache_service"]):
     )
     from cache_service.index import GlobalIndex
     from cache_service.index._compiled import ChainKeys, KeyTable, PageMap, first_outside
+    from cache_service.messages import Match
+    from cache_service.protocol import PROTOCOL_VERSION, ProtocolError
+    from cache_service.protocol.codec import _decode_frame, _match_limits
     from cache_service.tokens import pack_tokens
 
 P = 2  # tokens per page
@@ -173,15 +180,49 @@ def raw_calls(run: Run, data: atheris.FuzzedDataProvider) -> None:
         trie.drop_subtree(PageMap(), 0, any_int, True)
 
 
+def wire_calls(data: atheris.FuzzedDataProvider) -> None:
+    """The compiled wire readers on arbitrary bytes: a MATCH frame (mostly a real one with
+    a few bytes changed), token ids, pages to digest."""
+    kind = data.ConsumeIntInRange(0, 2)
+    if kind == 0:
+        limits = protocol.DEFAULT_LIMITS
+        if data.ConsumeBool():
+            frame = bytearray(_MATCH_FRAME)
+            for _ in range(data.ConsumeIntInRange(1, 4)):
+                frame[data.ConsumeIntInRange(0, len(frame) - 1)] = data.ConsumeIntInRange(0, 255)
+            frame = bytes(frame)
+        else:
+            frame = data.ConsumeBytes(data.ConsumeIntInRange(0, 200))
+        fields = _native.read_match(frame, PROTOCOL_VERSION, *_match_limits(limits))
+        if fields is not None:  # taken: the general decoder must read the same request
+            message = _decode_frame(frame, "request", limits)
+            body = message.body
+            assert (message.request_id, *body.namespace, body.tokens, body.requester) == fields
+    elif kind == 1:
+        ids = [data.ConsumeIntInRange(-(2**40), 2**40) for _ in range(data.ConsumeIntInRange(0, 9))]
+        packed = _native.pack_int32(ids)
+        assert packed is None or packed == pack_tokens(ids)
+    else:
+        parent = data.ConsumeBytes(16)
+        _native.chain_digests(parent, data.ConsumeBytes(100), data.ConsumeIntInRange(1, 40))
+
+
+_MATCH_FRAME = protocol.encode(
+    protocol.request(9, Match(NAMESPACES[0], pack_tokens([1, 2, 3, 4]), "w0"))
+)
+
+
 def one_input(raw: bytes) -> None:
     data = atheris.FuzzedDataProvider(raw)
     run = Run()
     for _ in range(OPS):
         if data.remaining_bytes() == 0:
             break
-        kind = data.ConsumeIntInRange(0, 7)
+        kind = data.ConsumeIntInRange(0, 8)
         try:
-            if kind <= 3:
+            if kind == 8:
+                wire_calls(data)
+            elif kind <= 3:
                 apply(run, data)
             elif kind == 4:
                 namespace = data.PickValueInList(NAMESPACES)
@@ -196,7 +237,7 @@ def one_input(raw: bytes) -> None:
                 run.index.remove_worker(worker, "dead", run.epochs[worker])
                 run.epochs[worker] = run.index.register(worker, "n0", now=0.0).epoch
                 run.seqs[worker] = 0
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, ProtocolError):
             pass  # refused: and nothing changed, which the integrity check below confirms
     run.index.check_integrity()
 
