@@ -58,8 +58,11 @@ def measure_bytes_per_page(n_pages: int, page_tokens: int = 16) -> float:
             index.apply_events("w0", epoch, seq, [event])
             del event
         assert index.num_pages == n_pages, f"{index.num_pages} pages indexed, {n_pages} stored"
-        # tracemalloc sees Python's and numpy's allocations, not the compiled ones.
-        used = tracemalloc.get_traced_memory()[0] - before + index._nodes.compiled_nbytes()
+        # tracemalloc sees Python's and numpy's allocations, not the compiled ones (the
+        # key table and trie, the workers' page maps).
+        page_maps = sum(worker.pages.nbytes for worker in index._registry.workers.values())
+        compiled = index._nodes.compiled_nbytes() + page_maps
+        used = tracemalloc.get_traced_memory()[0] - before + compiled
     finally:
         if started:
             tracemalloc.stop()
