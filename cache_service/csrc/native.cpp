@@ -14,6 +14,21 @@
 
 namespace {
 
+// A Python int's value when it is small (one digit: below 2**30 in magnitude), read from
+// the object itself as the C API's own fast paths do; false for any other int.
+inline bool small_int(PyObject* item, long* value) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (!PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(item))) return false;
+  *value = static_cast<long>(PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(item)));
+  return true;
+#else
+  Py_ssize_t size = Py_SIZE(item);
+  if (size < -1 || size > 1) return false;
+  *value = static_cast<long>(size) * static_cast<long>(reinterpret_cast<PyLongObject*>(item)->ob_digit[0]);
+  return true;
+#endif
+}
+
 // pack_int32(ids: list | tuple) -> bytes (little-endian int32), or None when an id is not
 // an exact int in int32 (out of range, a bool, an int subclass, a numpy scalar): the
 // caller's general path then packs those or names the bad id.
@@ -29,7 +44,9 @@ PyObject* pack_int32(PyObject*, PyObject* ids) {
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* item = items[i];
     int overflow = 0;
-    long value = PyLong_CheckExact(item) ? PyLong_AsLongAndOverflow(item, &overflow) : 0;
+    long value = 0;
+    if (PyLong_CheckExact(item) && !small_int(item, &value))
+      value = PyLong_AsLongAndOverflow(item, &overflow);
     if (!PyLong_CheckExact(item) || overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
       Py_DECREF(out);
       Py_RETURN_NONE;
