@@ -138,12 +138,6 @@ class Chains:
         self._settle(worker, written)
         return None if written[0] else "page_conflict"
 
-    def drop_subtree(self, worker: Worker, top: int, reason: str | None = None) -> int:
-        """Drop the worker's holdings of `top` and of everything it holds beneath it."""
-        written = self._trie.drop_subtree(worker.pages, worker.slot, top, reason is not None)
-        self._settle(worker, written, reason)
-        return written[0]
-
     def drop_all(self, worker: Worker, reason: str | None = None) -> int:
         """Drop every holding of the worker, pruning nodes left empty."""
         written = self._trie.drop_all(worker.pages, worker.slot, reason is not None)
