@@ -29,33 +29,38 @@ inline bool small_int(PyObject* item, long* value) {
 #endif
 }
 
-// pack_int32(ids: list | tuple) -> bytes (little-endian int32), or None when an id is not
-// an exact int in int32 (out of range, a bool, an int subclass, a numpy scalar): the
-// caller's general path then packs those or names the bad id.
-PyObject* pack_int32(PyObject*, PyObject* ids) {
-  if (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids))
-    return PyErr_Format(PyExc_TypeError, "pack_int32 takes a list or a tuple, got %s",
-                        Py_TYPE(ids)->tp_name);
-  PyObject** items = PySequence_Fast_ITEMS(ids);
-  Py_ssize_t count = PySequence_Fast_GET_SIZE(ids);
-  PyObject* out = PyBytes_FromStringAndSize(nullptr, count * 4);
-  if (out == nullptr) return nullptr;
-  auto* raw = reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(out));
+// The ids of a list or tuple as little-endian int32 into `raw`; false when one is not an
+// exact int in int32 (out of range, a bool, an int subclass, a numpy scalar).
+bool pack_exact(PyObject** items, Py_ssize_t count, unsigned char* raw) {
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* item = items[i];
+    if (!PyLong_CheckExact(item)) return false;
     int overflow = 0;
     long value = 0;
-    if (PyLong_CheckExact(item) && !small_int(item, &value))
-      value = PyLong_AsLongAndOverflow(item, &overflow);
-    if (!PyLong_CheckExact(item) || overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
-      Py_DECREF(out);
-      Py_RETURN_NONE;
-    }
+    if (!small_int(item, &value)) value = PyLong_AsLongAndOverflow(item, &overflow);
+    if (overflow != 0 || value < INT32_MIN || value > INT32_MAX) return false;
     auto word = static_cast<uint32_t>(static_cast<int32_t>(value));
     raw[4 * i] = static_cast<unsigned char>(word);
     raw[4 * i + 1] = static_cast<unsigned char>(word >> 8);
     raw[4 * i + 2] = static_cast<unsigned char>(word >> 16);
     raw[4 * i + 3] = static_cast<unsigned char>(word >> 24);
+  }
+  return true;
+}
+
+// pack_int32(ids: list | tuple) -> bytes (little-endian int32), or None when an id is not
+// an exact int in int32: the caller's general path then packs those or names the bad id.
+PyObject* pack_int32(PyObject*, PyObject* ids) {
+  if (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids))
+    return PyErr_Format(PyExc_TypeError, "pack_int32 takes a list or a tuple, got %s",
+                        Py_TYPE(ids)->tp_name);
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(ids);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, count * 4);
+  if (out == nullptr) return nullptr;
+  if (!pack_exact(PySequence_Fast_ITEMS(ids), count,
+                  reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(out)))) {
+    Py_DECREF(out);
+    Py_RETURN_NONE;
   }
   return out;
 }
