@@ -425,15 +425,25 @@ class ServiceServer:
     def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], bytes | None]:
         """One message's frames and the public key it came with (None without keys).
 
+        The routing id comes as bytes; the frames after it as zmq frames, whose metadata
+        holds the sender's key (a multipart message arrives whole, so they are queued).
+        Frame by frame is the cheaper way: `recv_multipart` asks for RCVMORE after each
+        frame, and with copy=False makes a frame object of the routing id too.
+
         Raises:
             zmq.Again: nothing queued.
         """
-        if self.keys is None:
-            return socket.recv_multipart(zmq.NOBLOCK, copy=True), None
-        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-        # The ZAP handler admitted the key; its z85 form is the message's User-Id.
-        sender = frames[-1].get("User-Id").encode()
-        return [frame.bytes for frame in frames], sender
+        frames = [socket.recv(zmq.NOBLOCK)]
+        sender = None
+        more = socket.getsockopt(zmq.RCVMORE)
+        while more:
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame.bytes)
+            more = frame.more
+            if not more and self.keys is not None:
+                # The ZAP handler admitted the key; its z85 form is the message's User-Id.
+                sender = frame.get("User-Id").encode()
+        return frames, sender
 
     def _serve(self, socket: zmq.Socket, frames: list[bytes], sender: bytes | None) -> None:
         identity, rest = frames[0], frames[1:]
