@@ -423,27 +423,16 @@ class ServiceServer:
         )
 
     def _receive(self, socket: zmq.Socket) -> tuple[list[bytes], bytes | None]:
-        """One message's frames and the public key it came with (None without keys).
-
-        The routing id comes as bytes; the frames after it as zmq frames, whose metadata
-        holds the sender's key (a multipart message arrives whole, so they are queued).
-        Frame by frame is the cheaper way: `recv_multipart` asks for RCVMORE after each
-        frame, and with copy=False makes a frame object of the routing id too.
-
-        Raises:
-            zmq.Again: nothing queued.
-        """
-        frames = [socket.recv(zmq.NOBLOCK)]
-        sender = None
-        more = socket.getsockopt(zmq.RCVMORE)
+        """A message's frames and the z85 key the ZAP handler admitted (None without keys):
+        the routing id as bytes, the rest as zmq frames, whose User-Id is the key (cheaper
+        than recv_multipart's RCVMORE after each frame). zmq.Again: nothing queued."""
+        frames, more = [socket.recv(zmq.NOBLOCK)], socket.getsockopt(zmq.RCVMORE)
         while more:
             frame = socket.recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.bytes)
             more = frame.more
-            if not more and self.keys is not None:
-                # The ZAP handler admitted the key; its z85 form is the message's User-Id.
-                sender = frame.get("User-Id").encode()
-        return frames, sender
+        keyed = self.keys is not None and len(frames) > 1
+        return frames, frame.get("User-Id").encode() if keyed else None
 
     def _serve(self, socket: zmq.Socket, frames: list[bytes], sender: bytes | None) -> None:
         identity, rest = frames[0], frames[1:]

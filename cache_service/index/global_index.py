@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cache_service.events import TIERS, KvEvent, Namespace, PagesStored
+from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.index.batches import BatchOrder
 from cache_service.index.chains import Chains, check_event, check_snapshot
-from cache_service.index.holders import Holders
+from cache_service.index.holders import Holders, host_pages, match_spans
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
@@ -35,9 +34,7 @@ from cache_service.index.stats import index_stats
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.messages import (
     ApplyResult,
-    HolderSpan,
     MatchResult,
-    PackedSpan,
     PeerEntry,
     RouteDecision,
 )
@@ -55,8 +52,6 @@ _new_tuple = tuple.__new__
 # A path of more than this many runs of consecutive node ids is finished by looking up
 # the rest of the prompt's keys at once (csrc/walk.hpp).
 MAX_RUNS = 4
-_DISK = TIERS.index("disk")
-_DISK_CODE = bytes((_DISK,))
 _get_ident = threading.get_ident
 
 
@@ -391,31 +386,12 @@ class GlobalIndex(ThreadOwned):
         self._clock = clock = self._clock + 1
         trie = self._trie
         length, found = trie.match(self._nodes.roots.get(namespace), data, MAX_RUNS, clock)
-        spans: tuple = ()
-        local = 0
         asking = None if requester is None else self._registry.workers.get(requester)
+        spans, local = (), 0
         if found:
             requester_slot = NONE - 1 if asking is None else asking.slot  # matches no holder
-            slots = self._registry.slots
-            span_type = PackedSpan if packed else HolderSpan
-            built = []
-            for slot, held, tier, page_ids, generations, tiers in found:
-                if slot == requester_slot:
-                    local = held
-                worker = slots[slot]
-                assert worker is not None, f"a holding of dead slot {slot}"
-                if not packed:
-                    page_ids = tuple(array("i", page_ids))
-                    generations = tuple(array("q", generations))
-                span = _new_tuple(
-                    span_type, (worker.worker_id, TIERS[tier], page_ids, generations, tiers)
-                )
-                built.append(span)
-            if len(built) > 1:
-                built.sort(key=span_order)  # packed lengths are 4x, in the same order
-                spans = tuple(built[: self.max_spans])
-            else:
-                spans = tuple(built)
+            spans, local = match_spans(found, self._registry.slots, requester_slot, packed)
+            spans = spans[: self.max_spans]
         page_tokens = self.page_tokens
         matched = length * page_tokens
         if requester is not None and asking is None:
@@ -468,7 +444,7 @@ class GlobalIndex(ThreadOwned):
         if chooser.uses_holdings:
             _, found = self._trie.match(self._nodes.roots.get(namespace), data, MAX_RUNS, None)
             holdings = [
-                (slot, held, _host_pages(held, tier, tiers))
+                (slot, held, host_pages(held, tier, tiers))
                 for slot, held, tier, _, _, tiers in found
             ]
         held, at, host = self._registry.by_worker(holdings, self.page_tokens)
@@ -502,19 +478,6 @@ class GlobalIndex(ThreadOwned):
         check_integrity(self._nodes, self._holders, self._registry)
         self._registry.check()
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
-
-
-def span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
-    """The order of a match's spans: the longest first, then by worker id."""
-    return (-len(span.page_ids), span.worker_id)
-
-
-def _host_pages(held: int, tier: int, tiers: bytes) -> int:
-    """The pages of a span before its first on disk (`tiers` empty: all in `tier`)."""
-    if not tiers:
-        return 0 if tier == _DISK else held
-    at = tiers.find(_DISK_CODE)
-    return held if at < 0 else at
 
 
 def _checked(namespace: Namespace, tokens: TokenInput) -> bytes:

@@ -14,15 +14,22 @@ prompt every holder holds a leading run of the matched pages.
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
+from cache_service.events import TIERS
 from cache_service.index._compiled import Trie
 from cache_service.index.nodes import NONE, extend
+from cache_service.messages import HolderSpan, PackedSpan
 
 # Inline holder columns per node (kInline in csrc/trie.hpp). Four covers a page shared by
 # a handful of workers without a holder beyond them; each column costs 15 bytes a node.
 INLINE_HOLDERS = 4
 EXTRA = INLINE_HOLDERS  # the "column" of a holding kept beyond the inline ones
+_DISK = TIERS.index("disk")
+_DISK_CODE = bytes((_DISK,))  # a page's code in a span's tiers
+_new_tuple = tuple.__new__
 
 
 class Holders:
@@ -79,3 +86,40 @@ class Holders:
         if column < EXTRA:
             return self.page[column][node], self.generation[column][node], self.tier[column][node]
         return next(holder[1:] for holder in self.extra(node) if holder[0] == slot)
+
+
+def match_spans(
+    found: tuple, slots: list, requester_slot: int, packed: bool
+) -> tuple[tuple[HolderSpan | PackedSpan, ...], int]:
+    """A match's spans, the longest first (then by worker id), from the compiled match's
+    holdings `found` ((slot, pages, tier, page ids, generations, tiers) each), and the
+    pages the requester holds itself. `packed`: PackedSpans (the wire's bytes as they
+    are), else HolderSpans of ints."""
+    span_type = PackedSpan if packed else HolderSpan
+    built, local = [], 0
+    for slot, held, tier, page_ids, generations, tiers in found:
+        if slot == requester_slot:
+            local = held
+        worker = slots[slot]
+        assert worker is not None, f"a holding of dead slot {slot}"
+        if not packed:
+            page_ids = tuple(array("i", page_ids))  # little-endian: the module checks
+            generations = tuple(array("q", generations))
+        fields = (worker.worker_id, TIERS[tier], page_ids, generations, tiers)
+        built.append(_new_tuple(span_type, fields))
+    if len(built) > 1:
+        built.sort(key=span_order)  # packed lengths are 4x, in the same order
+    return tuple(built), local
+
+
+def span_order(span: HolderSpan | PackedSpan) -> tuple[int, str]:
+    """The order of a match's spans: the longest first, then by worker id."""
+    return (-len(span.page_ids), span.worker_id)
+
+
+def host_pages(held: int, tier: int, tiers: bytes) -> int:
+    """The pages of a span before its first on disk (`tiers` empty: all in `tier`)."""
+    if not tiers:
+        return 0 if tier == _DISK else held
+    at = tiers.find(_DISK_CODE)
+    return held if at < 0 else at
