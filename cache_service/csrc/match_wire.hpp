@@ -23,31 +23,10 @@ class MsgpackReader {
   bool done() const { return p_ == end_; }
 
   // A map header: its entry count.
-  bool map(std::size_t* count) {
-    if (left() < 1) return false;
-    unsigned char tag = *p_;
-    if ((tag & 0xf0) == 0x80) {
-      ++p_;
-      *count = tag & 0x0f;
-      return true;
-    }
-    if (tag == 0xde) return length(1, 2, count);
-    if (tag == 0xdf) return length(1, 4, count);
-    return false;
-  }
+  bool map(std::size_t* count) { return header(0x80, 0xde, 0xdf, count); }
 
-  bool array(std::size_t* count) {
-    if (left() < 1) return false;
-    unsigned char tag = *p_;
-    if ((tag & 0xf0) == 0x90) {
-      ++p_;
-      *count = tag & 0x0f;
-      return true;
-    }
-    if (tag == 0xdc) return length(1, 2, count);
-    if (tag == 0xdd) return length(1, 4, count);
-    return false;
-  }
+  // An array header: its item count.
+  bool array(std::size_t* count) { return header(0x90, 0xdc, 0xdd, count); }
 
   // A str: its bytes (valid while the frame lives).
   bool str(std::string_view* out) {
@@ -114,6 +93,21 @@ class MsgpackReader {
 
  private:
   std::size_t left() const { return static_cast<std::size_t>(end_ - p_); }
+
+  // A container header: a fix form (`fix` in the high nibble, the count in the low one),
+  // or a 16- or 32-bit count after `tag16` / `tag32`.
+  bool header(unsigned fix, unsigned tag16, unsigned tag32, std::size_t* count) {
+    if (left() < 1) return false;
+    unsigned char tag = *p_;
+    if ((tag & 0xf0) == fix) {
+      ++p_;
+      *count = tag & 0x0f;
+      return true;
+    }
+    if (tag == tag16) return length(1, 2, count);
+    if (tag == tag32) return length(1, 4, count);
+    return false;
+  }
 
   // A tag then a big-endian length of `bytes` bytes.
   bool length(std::size_t tag, std::size_t bytes, std::size_t* out) {

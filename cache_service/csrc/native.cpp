@@ -80,6 +80,22 @@ void page_digest(const unsigned char* parent, const unsigned char* page, std::si
   if (empty) out[0] = 1;
 }
 
+// A parent digest and a byte buffer, the two first arguments of the digest functions: both
+// acquired (the caller releases them), or false with an exception set and neither held.
+bool digest_and_bytes(PyObject* const* args, Py_buffer* parent, Py_buffer* data) {
+  if (PyObject_GetBuffer(args[0], parent, PyBUF_SIMPLE) != 0) return false;
+  if (parent->len != static_cast<Py_ssize_t>(kDigest)) {
+    PyErr_Format(PyExc_ValueError, "a digest is %zu bytes, got %zd", kDigest, parent->len);
+    PyBuffer_Release(parent);
+    return false;
+  }
+  if (PyObject_GetBuffer(args[1], data, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(parent);
+    return false;
+  }
+  return true;
+}
+
 // chain_digests(parent, packed, page_bytes) -> [digest of each full page of `packed`,
 // each under the one before, the first under `parent`].
 PyObject* chain_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -90,15 +106,7 @@ PyObject* chain_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (page_bytes == -1 && PyErr_Occurred()) return nullptr;
   if (page_bytes < 1) return PyErr_Format(PyExc_ValueError, "page_bytes must be >= 1");
   Py_buffer parent, packed;
-  if (PyObject_GetBuffer(args[0], &parent, PyBUF_SIMPLE) != 0) return nullptr;
-  if (parent.len != static_cast<Py_ssize_t>(kDigest)) {
-    PyBuffer_Release(&parent);
-    return PyErr_Format(PyExc_ValueError, "a digest is %zu bytes, got %zd", kDigest, parent.len);
-  }
-  if (PyObject_GetBuffer(args[1], &packed, PyBUF_SIMPLE) != 0) {
-    PyBuffer_Release(&parent);
-    return nullptr;
-  }
+  if (!digest_and_bytes(args, &parent, &packed)) return nullptr;
   Py_ssize_t pages = packed.len / page_bytes;
   PyObject* out = PyList_New(pages);
   unsigned char digest[kDigest];
@@ -122,15 +130,7 @@ PyObject* chain_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* next_digest(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) return PyErr_Format(PyExc_TypeError, "next_digest(parent, page) takes 2");
   Py_buffer parent, page;
-  if (PyObject_GetBuffer(args[0], &parent, PyBUF_SIMPLE) != 0) return nullptr;
-  if (parent.len != static_cast<Py_ssize_t>(kDigest)) {
-    PyBuffer_Release(&parent);
-    return PyErr_Format(PyExc_ValueError, "a digest is %zu bytes, got %zd", kDigest, parent.len);
-  }
-  if (PyObject_GetBuffer(args[1], &page, PyBUF_SIMPLE) != 0) {
-    PyBuffer_Release(&parent);
-    return nullptr;
-  }
+  if (!digest_and_bytes(args, &parent, &page)) return nullptr;
   unsigned char digest[kDigest];
   page_digest(static_cast<const unsigned char*>(parent.buf),
               static_cast<const unsigned char*>(page.buf), static_cast<std::size_t>(page.len),

@@ -474,7 +474,6 @@ struct TrieObject {
   PyObject* keys;
   kvmesh::Trie* trie;
   int tiers;
-  std::vector<kvmesh::Span> spans;  // a match's, kept for their buffers
 };
 
 void release_buffers(TrieObject* self) {
@@ -485,7 +484,6 @@ void release_buffers(TrieObject* self) {
 void trie_dealloc(PyObject* object) {
   auto* self = reinterpret_cast<TrieObject*>(object);
   delete self->trie;
-  self->spans.~vector();
   release_buffers(self);
   Py_XDECREF(self->table);
   Py_XDECREF(self->keys);
@@ -504,7 +502,6 @@ PyObject* trie_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                         tiers);
   auto* self = reinterpret_cast<TrieObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  new (&self->spans) std::vector<kvmesh::Span>();  // tp_alloc runs no constructors
   Py_INCREF(table);
   Py_INCREF(keys);
   self->table = table;
@@ -849,18 +846,30 @@ PyObject* trie_extra_nodes(PyObject* object, PyObject*) {
 }
 
 // walk(root, data, max_runs) -> (length, runs, nodes): the path alone, for checks.
+// The (root, data, max_runs) that walk and match start with: `data` acquired (the caller
+// releases it), or false with an exception set and nothing held.
+bool walk_args(TrieObject* self, const char* method, PyObject* const* args, int64_t* root,
+               Py_ssize_t* max_runs, Py_buffer* data) {
+  if (!attached(self)) return false;
+  *root = kvmesh::kNone;
+  if (args[0] != Py_None && !as_key(args[0], root)) return false;
+  *max_runs = PyLong_AsSsize_t(args[2]);
+  if (*max_runs == -1 && PyErr_Occurred()) return false;
+  if (*max_runs < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: a negative count of runs", method);
+    return false;
+  }
+  return PyObject_GetBuffer(args[1], data, PyBUF_SIMPLE) == 0;
+}
+
 PyObject* trie_walk(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<TrieObject*>(object);
   if (nargs != 3)
     return PyErr_Format(PyExc_TypeError, "walk(root, data, max_runs) takes 3 arguments");
-  if (!attached(self)) return nullptr;
-  int64_t root = kvmesh::kNone;
-  if (args[0] != Py_None && !as_key(args[0], &root)) return nullptr;
-  Py_ssize_t max_runs = PyLong_AsSsize_t(args[2]);
-  if (max_runs == -1 && PyErr_Occurred()) return nullptr;
-  if (max_runs < 0) return PyErr_Format(PyExc_ValueError, "walk: a negative count of runs");
+  int64_t root;
+  Py_ssize_t max_runs;
   Py_buffer data;
-  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) != 0) return nullptr;
+  if (!walk_args(self, "walk", args, &root, &max_runs, &data)) return nullptr;
   kvmesh::Trie* trie = self->trie;
   kvmesh::Path path;
   bool done = guarded([&] {
@@ -896,17 +905,14 @@ PyObject* trie_match(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   auto* self = reinterpret_cast<TrieObject*>(object);
   if (nargs != 4)
     return PyErr_Format(PyExc_TypeError, "match(root, data, max_runs, clock) takes 4 arguments");
-  if (!attached(self)) return nullptr;
-  int64_t root = kvmesh::kNone, clock = 0;
-  if (args[0] != Py_None && !as_key(args[0], &root)) return nullptr;
-  Py_ssize_t max_runs = PyLong_AsSsize_t(args[2]);
-  if (max_runs == -1 && PyErr_Occurred()) return nullptr;
-  if (max_runs < 0) return PyErr_Format(PyExc_ValueError, "match: a negative count of runs");
+  int64_t clock = 0;
   bool touch = args[3] != Py_None;
   if (touch && !as_key(args[3], &clock)) return nullptr;
+  int64_t root;
+  Py_ssize_t max_runs;
   Py_buffer data;
-  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) != 0) return nullptr;
-  std::vector<kvmesh::Span>& spans = self->spans;
+  if (!walk_args(self, "match", args, &root, &max_runs, &data)) return nullptr;
+  std::vector<kvmesh::Span> spans;
   std::size_t length = 0;
   bool done = guarded([&] {
     length = self->trie->match(root, static_cast<const char*>(data.buf),
