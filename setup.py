@@ -22,7 +22,11 @@ setup(
         Extension(
             "cache_service._native",
             sources=["cache_service/csrc/native.cpp"],
-            depends=["cache_service/csrc/blake2b.hpp", "cache_service/csrc/match_wire.hpp"],
+            depends=[
+                "cache_service/csrc/blake2b.hpp",
+                "cache_service/csrc/match_wire.hpp",
+                "cache_service/csrc/msgpack_scan.hpp",
+            ],
             language="c++",
             extra_compile_args=["-std=c++17", "-O3"],
         ),

@@ -11,6 +11,7 @@
 
 #include "blake2b.hpp"
 #include "match_wire.hpp"
+#include "msgpack_scan.hpp"
 
 namespace {
 
@@ -169,6 +170,19 @@ PyObject* blake2b(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), size);
 }
 
+// `count` non-negative sizes from `args`; false with an exception set otherwise.
+bool sizes(PyObject* const* args, int count, Py_ssize_t* out, const char* function) {
+  for (int i = 0; i < count; ++i) {
+    out[i] = PyLong_AsSsize_t(args[i]);
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+    if (out[i] < 0) {
+      PyErr_Format(PyExc_ValueError, "%s: a negative limit", function);
+      return false;
+    }
+  }
+  return true;
+}
+
 // read_match(frame, version, str_bytes, str_chars, token_bytes) -> (request_id, model,
 // adapter, salt, tokens, requester) of a well-formed MATCH request, or None for anything
 // else (the general decoder then reads it and names what is wrong).
@@ -177,11 +191,7 @@ PyObject* read_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyErr_Format(PyExc_TypeError,
                         "read_match(frame, version, str_bytes, str_chars, token_bytes)");
   Py_ssize_t numbers[4];
-  for (int i = 0; i < 4; ++i) {
-    numbers[i] = PyLong_AsSsize_t(args[1 + i]);
-    if (numbers[i] == -1 && PyErr_Occurred()) return nullptr;
-    if (numbers[i] < 0) return PyErr_Format(PyExc_ValueError, "read_match: a negative limit");
-  }
+  if (!sizes(args + 1, 4, numbers, "read_match")) return nullptr;
   Py_buffer frame;
   if (PyObject_GetBuffer(args[0], &frame, PyBUF_SIMPLE) != 0) return nullptr;
   kvmesh::MatchRequest request;
@@ -220,6 +230,28 @@ PyObject* read_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyBuffer_Release(&frame);
   if (out == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
   return out;
+}
+
+// scan_msgpack(frame, max_containers, max_depth) -> (status, offset): a walk over the
+// frame's msgpack object that builds nothing (msgpack_scan.hpp; status 0 is whole and
+// within the bounds, offset where the walk stopped).
+PyObject* scan_msgpack(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "scan_msgpack(frame, max_containers, max_depth)");
+  Py_ssize_t bounds[2];
+  if (!sizes(args + 1, 2, bounds, "scan_msgpack")) return nullptr;
+  Py_buffer frame;
+  if (PyObject_GetBuffer(args[0], &frame, PyBUF_SIMPLE) != 0) return nullptr;
+  kvmesh::ScanResult result;
+  Py_BEGIN_ALLOW_THREADS
+  result = kvmesh::scan_msgpack(static_cast<const unsigned char*>(frame.buf),
+                                static_cast<std::size_t>(frame.len),
+                                static_cast<std::size_t>(bounds[0]),
+                                static_cast<std::size_t>(bounds[1]));
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&frame);
+  return Py_BuildValue("(in)", static_cast<int>(result.status),
+                       static_cast<Py_ssize_t>(result.offset));
 }
 
 // A span's fields as the wire holds them: (worker_id, tier, page_ids, generations, tiers),
@@ -309,6 +341,10 @@ PyMethodDef methods[] = {
     {"read_match", FASTCALL(read_match),
      "read_match(frame, version, str_bytes, str_chars, token_bytes) -> (request_id, model, "
      "adapter, salt, tokens, requester) of a well-formed MATCH request, else None."},
+    {"scan_msgpack", FASTCALL(scan_msgpack),
+     "scan_msgpack(frame, max_containers, max_depth) -> (status, offset): 0 when the frame "
+     "is one whole msgpack object within the bounds; 1 too many lists and maps, 2 truncated, "
+     "3 trailing bytes, 4 too deep, 5 an ext type, 6 malformed."},
     {"write_match_reply", FASTCALL(write_match_reply),
      "write_match_reply(version, request_id, matched_tokens, spans) -> the frame of an OK "
      "reply to MATCH with packed spans, else None."},

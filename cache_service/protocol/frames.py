@@ -5,13 +5,14 @@ truncated or forged frame may announce far more than the frame holds, level afte
 level. So:
 
 - size first: a frame over `Limits.max_frame_bytes` is refused before msgpack sees it;
-- a frame of short lists and maps (every hot message) decodes in one pass under limits
-  that cap what its headers can claim at about 1 MiB;
-- any other frame is first walked by msgpack's C skipper, which builds nothing, and
-  decoded only if it is complete: what decoding allocates is then bounded by its size;
-- both decodes count the lists and maps they build (msgpack's list and map hooks) and
-  stop at `Limits.max_containers`: a frame of a million tiny nested lists would otherwise
-  build all of them (75 times its size in memory, seconds of time) before any check;
+- a frame of short lists and maps no longer than `Limits.max_containers` bytes (most hot
+  messages) decodes in one pass under limits that cap what its headers can claim at about
+  1 MiB; it cannot hold more lists and maps than it has bytes;
+- any other frame is first walked by a compiled scan (`_native.scan_msgpack`), which
+  builds nothing, stops at `Limits.max_containers` lists and maps and at msgpack's
+  stack depth, and is decoded only if it is whole: what decoding allocates is then bounded
+  by its size. A frame of a million tiny nested lists would otherwise build them (75
+  times its size in memory, seconds of time) before any check;
 - depth is checked level by level (`too_deep`, no recursion) where a schema needs it.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import msgpack
 
+from cache_service import _native
 from cache_service.protocol.errors import (
     BAD_FRAME,
     INT64_MAX,
@@ -37,6 +39,10 @@ from cache_service.protocol.errors import (
 _FAST_LIST_LEN = 128
 _FAST_MAP_LEN = 16
 _CONTAINERS = frozenset((list, dict))
+# msgpack's decoding stack: a frame nested deeper is refused before decoding.
+_STACK = 1024
+# `_native.scan_msgpack`'s statuses.
+_SCAN_CONTAINERS, _SCAN_TRUNCATED, _SCAN_TRAILING, _SCAN_DEEP, _SCAN_EXT = 1, 2, 3, 4, 5
 # msgpack's message for a string over its max_str_len, which decoding sets to the longest
 # string any field takes (max_str_len or max_text_len, whichever is larger).
 _STRING_OVER = re.compile(r"(\d+) exceeds max_str_len\((\d+)\)")
@@ -62,44 +68,44 @@ def unpack(frame: Any, limits: Limits) -> Any:
         )
     if size == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
-    kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
-    try:
-        if size <= limits.max_containers:
-            # Every list and map takes a byte of the frame at least, so a frame this short
-            # cannot build more than max_containers of them: no hooks to count them.
+    if size <= limits.max_containers:
+        kwargs = getattr(limits, "_fast_unpack", None) or _fast_unpack(limits)
+        # Every list and map takes a byte of the frame at least, so a frame this short
+        # cannot build more than max_containers of them: one pass, nothing to count.
+        try:
             return msgpack.unpackb(frame, **kwargs)
-        budget = _Budget(limits.max_containers)
-        return msgpack.unpackb(frame, list_hook=budget, object_hook=budget, **kwargs)
-    except ProtocolError as exc:  # over the container budget: no second try
-        raise ProtocolError(exc.code, exc.message, _peek_request_id(frame, size)) from None
-    except Exception:  # a long list, or a bad frame: the careful way says which
-        pass
-    skipper = msgpack.Unpacker(max_buffer_size=size)
-    try:
-        skipper.feed(frame)
-        skipper.skip()
-    except msgpack.StackError:
-        raise ProtocolError(
-            TOO_DEEP, "frame nests deeper than the decoder's stack (1024 levels)"
-        ) from None
-    except msgpack.OutOfData:
-        raise ProtocolError(BAD_FRAME, f"truncated frame ({size} bytes)") from None
-    except Exception as exc:  # msgpack reports malformed input in several types
-        raise ProtocolError(BAD_FRAME, f"malformed msgpack ({type(exc).__name__})") from None
-    if skipper.tell() != size:
-        raise ProtocolError(BAD_FRAME, f"{size - skipper.tell()} trailing bytes after the envelope")
-    budget = _Budget(limits.max_containers)
+        except Exception:  # a long list, or a bad frame: the scan says which
+            pass
+    status, offset = _native.scan_msgpack(frame, limits.max_containers, _STACK)
+    if status:
+        raise _scan_error(status, offset, size, limits, _peek_request_id(frame, size))
+    # Whole, and within the budget: what decoding allocates is bounded by the frame's size.
     try:
         return msgpack.unpackb(
-            frame,
-            list_hook=budget,
-            object_hook=budget,
-            **_unpack_kwargs(limits, limits.max_list_len, limits.max_list_len),
+            frame, **_unpack_kwargs(limits, limits.max_list_len, limits.max_list_len)
         )
     except Exception as exc:  # msgpack raises ValueError and friends; all are bad frames
         error = _unpack_error(exc)
     # Still answer the request that sent it, when its envelope says which one that was.
     raise ProtocolError(error.code, error.message, _peek_request_id(frame, size))
+
+
+def _scan_error(
+    status: int, offset: int, size: int, limits: Limits, request_id: int
+) -> ProtocolError:
+    """What `_native.scan_msgpack`'s status means for the sender."""
+    if status == _SCAN_CONTAINERS:
+        message = f"frame holds more than max_containers {limits.max_containers} lists and maps"
+        return ProtocolError(TOO_LARGE, message, request_id)
+    if status == _SCAN_DEEP:
+        message = f"frame nests deeper than the decoder's stack ({_STACK} levels)"
+        return ProtocolError(TOO_DEEP, message, request_id)
+    message = {
+        _SCAN_TRUNCATED: f"truncated frame ({size} bytes)",
+        _SCAN_TRAILING: f"{size - offset} trailing bytes after the envelope",
+        _SCAN_EXT: "msgpack ext types are not part of the protocol",
+    }.get(status, "malformed msgpack (a byte that is no msgpack tag)")
+    return ProtocolError(BAD_FRAME, message, request_id)
 
 
 def too_deep(root: Any, depth: int, limit: int) -> bool:

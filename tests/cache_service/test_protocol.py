@@ -2071,7 +2071,7 @@ def test_router_answers_every_bad_frame_and_keeps_serving():
     bad = [
         (b"", 0, BAD_FRAME),
         (b"\xc1garbage", 0, BAD_FRAME),
-        (GOOD_FRAME[:-3], 0, BAD_FRAME),
+        (GOOD_FRAME[:-3], 99, BAD_FRAME),  # cut after its id: the error answers request 99
         (b"\x91" * 10_000 + b"\xc0", 0, TOO_DEEP),
         (header("array32", DEFAULT_LIMITS.max_list_len) * 1000, 0, BAD_FRAME),
         (b"\x00" * (DEFAULT_LIMITS.max_frame_bytes + 1), 0, TOO_LARGE),

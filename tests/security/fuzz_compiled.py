@@ -8,7 +8,8 @@ generations, tiers and token counts that are sometimes wrong, matches and routes
 tokens; and direct calls of the compiled objects (`Trie`, `PageMap`, `KeyTable`,
 `ChainKeys`, `first_outside`) with arbitrary ints, node ids and bytes; and frames of any
 bytes for the compiled MATCH reader, whatever it reads held to what the general decoder
-reads, with token packing and page digests beside it. A wrong argument
+reads, with token packing, page digests and the msgpack scan (a frame it finds whole ends
+where msgpack's own skipper ends it) beside it. A wrong argument
 may raise ValueError or TypeError and must change nothing; anything else that raises, an
 `AssertionError` from `check_integrity()` after the run, or a crash of the process (a
 memory error in the compiled code) is a finding: libFuzzer saves the input as crash-*.
@@ -24,6 +25,7 @@ import contextlib
 import sys
 
 import atheris
+import msgpack
 
 with atheris.instrument_imports(include=["cache_service"]):
     from cache_service import _native, protocol
@@ -182,8 +184,8 @@ def raw_calls(run: Run, data: atheris.FuzzedDataProvider) -> None:
 
 def wire_calls(data: atheris.FuzzedDataProvider) -> None:
     """The compiled wire readers on arbitrary bytes: a MATCH frame (mostly a real one with
-    a few bytes changed), token ids, pages to digest."""
-    kind = data.ConsumeIntInRange(0, 2)
+    a few bytes changed), token ids, pages to digest, any frame for the msgpack scan."""
+    kind = data.ConsumeIntInRange(0, 3)
     if kind == 0:
         limits = protocol.DEFAULT_LIMITS
         if data.ConsumeBool():
@@ -202,9 +204,18 @@ def wire_calls(data: atheris.FuzzedDataProvider) -> None:
         ids = [data.ConsumeIntInRange(-(2**40), 2**40) for _ in range(data.ConsumeIntInRange(0, 9))]
         packed = _native.pack_int32(ids)
         assert packed is None or packed == pack_tokens(ids)
-    else:
+    elif kind == 2:
         parent = data.ConsumeBytes(16)
         _native.chain_digests(parent, data.ConsumeBytes(100), data.ConsumeIntInRange(1, 40))
+    else:
+        frame = data.ConsumeBytes(data.ConsumeIntInRange(0, 300))
+        status, offset = _native.scan_msgpack(frame, data.ConsumeIntInRange(0, 40), 1024)
+        assert 0 <= offset <= len(frame)
+        if status in (0, 3):  # whole (then trailing bytes, or none): msgpack reads as far
+            skipper = msgpack.Unpacker(max_buffer_size=max(len(frame), 1))
+            skipper.feed(frame)
+            skipper.skip()
+            assert skipper.tell() == offset
 
 
 _MATCH_FRAME = protocol.encode(
