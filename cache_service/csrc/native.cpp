@@ -254,6 +254,87 @@ PyObject* scan_msgpack(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                        static_cast<Py_ssize_t>(result.offset));
 }
 
+// An exact int's value, -1 for anything else (a negative or too large one included).
+long page_number(PyObject* item) {
+  long value = -1;
+  if (!PyLong_CheckExact(item)) return -1;
+  if (small_int(item, &value)) return value;
+  int overflow = 0;
+  value = PyLong_AsLongAndOverflow(item, &overflow);
+  if (value == -1 && PyErr_Occurred()) PyErr_Clear();
+  return overflow != 0 ? -1 : value;
+}
+
+// record_digests(view, free_flags, pages, digests) -> None once `digests[i]` is written at
+// `view[16 * pages[i]]` for every i; else (fault, i) and nothing written: fault 1 a page
+// out of range, 2 a free page, 3 a digest that is not 16 bytes, 4 the empty digest.
+// Every item is checked before the first write. The page pool's set_digests
+// (workers/store/page_pool.py): a publish records each page of its run here.
+PyObject* record_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4)
+    return PyErr_Format(PyExc_TypeError, "record_digests(view, free_flags, pages, digests)");
+  PyObject* pages = args[2];
+  PyObject* digests = args[3];
+  if (!PyList_CheckExact(pages) || !PyList_CheckExact(digests))
+    return PyErr_Format(PyExc_TypeError, "record_digests takes lists of pages and digests");
+  Py_ssize_t count = PyList_GET_SIZE(pages);
+  if (PyList_GET_SIZE(digests) != count)
+    return PyErr_Format(PyExc_ValueError, "%zd digests for %zd pages",
+                        PyList_GET_SIZE(digests), count);
+  Py_buffer view, flags;
+  if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) != 0) return nullptr;
+  if (PyObject_GetBuffer(args[1], &flags, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&view);
+    return nullptr;
+  }
+  Py_ssize_t num_pages = flags.len;
+  PyObject* out = nullptr;
+  int fault = 0;
+  Py_ssize_t at = 0;
+  if (view.len != num_pages * static_cast<Py_ssize_t>(kDigest)) {
+    PyErr_Format(PyExc_ValueError, "a digest view of %zd bytes for %zd pages", view.len,
+                 num_pages);
+  } else {
+    const auto* free = static_cast<const unsigned char*>(flags.buf);
+    // Fault by fault over all items, in the order the errors are named: ranges, free
+    // pages, then the digests.
+    for (int check = 1; check <= 3 && fault == 0; ++check) {
+      for (at = 0; at < count && fault == 0; ++at) {
+        long page = page_number(PyList_GET_ITEM(pages, at));
+        PyObject* digest = PyList_GET_ITEM(digests, at);
+        if (check == 1) {
+          if (page < 0 || page >= num_pages) fault = 1;
+        } else if (check == 2) {
+          if (free[page] != 0) fault = 2;
+        } else if (!PyBytes_CheckExact(digest) ||
+                   PyBytes_GET_SIZE(digest) != static_cast<Py_ssize_t>(kDigest)) {
+          fault = 3;
+        } else {
+          const char* bytes = PyBytes_AS_STRING(digest);
+          bool empty = true;
+          for (std::size_t i = 0; i < kDigest && empty; ++i) empty = bytes[i] == 0;
+          if (empty) fault = 4;
+        }
+      }
+    }
+    if (fault != 0) {
+      out = Py_BuildValue("(in)", fault, at - 1);
+    } else {
+      auto* target = static_cast<unsigned char*>(view.buf);
+      for (Py_ssize_t i = 0; i < count; ++i) {
+        long page = page_number(PyList_GET_ITEM(pages, i));
+        std::memcpy(target + page * kDigest, PyBytes_AS_STRING(PyList_GET_ITEM(digests, i)),
+                    kDigest);
+      }
+      Py_INCREF(Py_None);
+      out = Py_None;
+    }
+  }
+  PyBuffer_Release(&flags);
+  PyBuffer_Release(&view);
+  return out;
+}
+
 // A span's fields as the wire holds them: (worker_id, tier, page_ids, generations, tiers),
 // str, str and bytes; false for anything else (a HolderSpan's int tuples, say).
 bool packed_span(PyObject* span, std::string_view fields[5]) {
@@ -345,6 +426,9 @@ PyMethodDef methods[] = {
      "scan_msgpack(frame, max_containers, max_depth) -> (status, offset): 0 when the frame "
      "is one whole msgpack object within the bounds; 1 too many lists and maps, 2 truncated, "
      "3 trailing bytes, 4 too deep, 5 an ext type, 6 malformed."},
+    {"record_digests", FASTCALL(record_digests),
+     "record_digests(view, free_flags, pages, digests) -> None once each digest is written "
+     "at its page's 16 bytes of view, else (fault, index) and nothing written."},
     {"write_match_reply", FASTCALL(write_match_reply),
      "write_match_reply(version, request_id, matched_tokens, spans) -> the frame of an OK "
      "reply to MATCH with packed spans, else None."},

@@ -8,11 +8,11 @@ generations, tiers and token counts that are sometimes wrong, matches and routes
 tokens; and direct calls of the compiled objects (`Trie`, `PageMap`, `KeyTable`,
 `ChainKeys`, `first_outside`) with arbitrary ints, node ids and bytes; and frames of any
 bytes for the compiled MATCH reader, whatever it reads held to what the general decoder
-reads, with token packing, page digests and the msgpack scan (a frame it finds whole ends
-where msgpack's own skipper ends it) beside it. A wrong argument
-may raise ValueError or TypeError and must change nothing; anything else that raises, an
-`AssertionError` from `check_integrity()` after the run, or a crash of the process (a
-memory error in the compiled code) is a finding: libFuzzer saves the input as crash-*.
+reads, with token packing, page digests, their recording into a store's rows and the
+msgpack scan (a frame it finds whole ends where msgpack's own skipper ends it) beside it.
+A wrong argument may raise ValueError or TypeError and must change nothing; anything else
+that raises, an `AssertionError` from `check_integrity()` after the run, or a crash of the
+process (a memory error in the compiled code) is a finding: libFuzzer saves the input as crash-*.
 
     python tests/security/fuzz_compiled.py -max_total_time=60 [corpus_dir]
 
@@ -185,7 +185,7 @@ def raw_calls(run: Run, data: atheris.FuzzedDataProvider) -> None:
 def wire_calls(data: atheris.FuzzedDataProvider) -> None:
     """The compiled wire readers on arbitrary bytes: a MATCH frame (mostly a real one with
     a few bytes changed), token ids, pages to digest, any frame for the msgpack scan."""
-    kind = data.ConsumeIntInRange(0, 3)
+    kind = data.ConsumeIntInRange(0, 4)
     if kind == 0:
         limits = protocol.DEFAULT_LIMITS
         if data.ConsumeBool():
@@ -207,6 +207,8 @@ def wire_calls(data: atheris.FuzzedDataProvider) -> None:
     elif kind == 2:
         parent = data.ConsumeBytes(16)
         _native.chain_digests(parent, data.ConsumeBytes(100), data.ConsumeIntInRange(1, 40))
+    elif kind == 3:
+        record_digests(data)
     else:
         frame = data.ConsumeBytes(data.ConsumeIntInRange(0, 300))
         status, offset = _native.scan_msgpack(frame, data.ConsumeIntInRange(0, 40), 1024)
@@ -216,6 +218,28 @@ def wire_calls(data: atheris.FuzzedDataProvider) -> None:
             skipper.feed(frame)
             skipper.skip()
             assert skipper.tell() == offset
+
+
+def record_digests(data: atheris.FuzzedDataProvider) -> None:
+    """Digests recorded into 8 pages' rows: all of them or none, the first fault named."""
+    free = bytearray(data.ConsumeIntInRange(0, 1) for _ in range(8))
+    view = bytearray(8 * 16)
+    count = data.ConsumeIntInRange(0, 4)
+    pages = [data.ConsumeIntInRange(-2, 9) for _ in range(count)]
+    digests = [data.ConsumeBytes(data.ConsumeIntInRange(15, 17)) for _ in range(count)]
+    if data.ConsumeBool():
+        digests = [bytes(16) if data.ConsumeBool() else d for d in digests]
+    fault = _native.record_digests(view, free, pages, digests)
+    if fault is None:
+        assert all(
+            0 <= p < 8 and not free[p] and len(d) == 16 and any(d)
+            for p, d in zip(pages, digests, strict=True)
+        )
+        last = dict(zip(pages, digests, strict=True))  # the last write of a page wins
+        for page in range(8):
+            assert view[16 * page : 16 * page + 16] == last.get(page, bytes(16))
+    else:
+        assert view == bytearray(8 * 16) and 0 <= fault[1] < count
 
 
 _MATCH_FRAME = protocol.encode(
