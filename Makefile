@@ -9,15 +9,17 @@ EDITABLE_LOCK := .editable-install.lock
 
 .PHONY: install vllm-venv system-packages test-deps demo test lint clean
 
-# The compiled parts (setup.py: C++ in cache_service/index/csrc/ and cache_service/csrc/),
-# built in place by the editable install, and again, offline, whenever their sources change.
+# The compiled parts (setup.py: C++ in cache_service/index/csrc/, cache_service/csrc/ and
+# workers/cache/csrc/), built in place by the editable install, and again, offline,
+# whenever their sources change.
 EXT_SUFFIX := $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-COMPILED := cache_service/index/_compiled$(EXT_SUFFIX) cache_service/_native$(EXT_SUFFIX)
+COMPILED := cache_service/index/_compiled$(EXT_SUFFIX) cache_service/_native$(EXT_SUFFIX) \
+    workers/cache/_walk$(EXT_SUFFIX)
 
 install: $(VENV)/.installed $(COMPILED)
 
 $(COMPILED) &: setup.py $(wildcard cache_service/index/csrc/*) $(wildcard cache_service/csrc/*) \
-    | $(VENV)/.installed
+    $(wildcard workers/cache/csrc/*) | $(VENV)/.installed
 	flock $(EDITABLE_LOCK) $(BIN)/pip install --no-build-isolation --no-deps -e .
 
 # torch first and pinned: this machine carries a CPU build of 2.13.0, and an unpinned

@@ -30,5 +30,11 @@ setup(
             language="c++",
             extra_compile_args=["-std=c++17", "-O3"],
         ),
+        Extension(
+            "workers.cache._walk",
+            sources=["workers/cache/csrc/walk.cpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2"],
+        ),
     ]
 )

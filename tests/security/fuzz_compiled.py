@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 
 import atheris
 import msgpack
 
-with atheris.instrument_imports(include=["cache_service"]):
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tests' helpers, run anywhere
+with atheris.instrument_imports(include=["cache_service", "workers.cache"]):
     from cache_service import _native, protocol
     from cache_service.events import (
         REMOVAL_REASONS,
@@ -44,6 +46,8 @@ with atheris.instrument_imports(include=["cache_service"]):
     from cache_service.protocol import PROTOCOL_VERSION, ProtocolError
     from cache_service.protocol.codec import _decode_frame, _match_limits
     from cache_service.tokens import pack_tokens
+    from tests.workers.cache_helpers import RecordingPool
+    from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 
 P = 2  # tokens per page
 WORKERS = [f"w{i}" for i in range(6)]
@@ -53,12 +57,16 @@ BAD_IDS = (-1, 2**31, 2**63 - 1, -(2**63))
 
 
 class Run:
-    """One input's index, its workers' epochs and batch numbers."""
+    """One input's index, its workers' epochs and batch numbers; a local prefix cache of a
+    few pages (its walk is compiled), the allocations it holds."""
 
     def __init__(self) -> None:
         self.index = GlobalIndex(page_tokens=P, max_workers=8)
         self.epochs = {w: self.index.register(w, "n0", now=0.0).epoch for w in WORKERS}
         self.seqs = dict.fromkeys(WORKERS, 0)
+        self.pool = RecordingPool(24, page_tokens=P)
+        self.cache = PrefixCache(self.pool, PrefixCacheConfig(page_tokens=P, chunk_tokens=0))
+        self.held = []
 
 
 def page_id(data: atheris.FuzzedDataProvider) -> int:
@@ -242,6 +250,22 @@ def record_digests(data: atheris.FuzzedDataProvider) -> None:
         assert view == bytearray(8 * 16) and 0 <= fault[1] < count
 
 
+def local_cache(run: Run, data: atheris.FuzzedDataProvider) -> None:
+    """A batch acquired from the local cache, computed, published in part, some released:
+    every slot a hit reuses holds exactly its own token's KV."""
+    count = data.ConsumeIntInRange(1, 3)
+    prompts = [tokens(data, data.ConsumeIntInRange(1, 5)) for _ in range(count)]
+    entries = run.cache.acquire_batch(prompts, data.PickValueInList(NAMESPACES))
+    for entry in entries or ():
+        allocation = entry.allocation
+        run.pool.assert_holds(allocation, entry.compute_from)
+        run.pool.write(allocation, entry.compute_from, allocation.num_tokens)
+        allocation.publish(data.ConsumeIntInRange(0, allocation.num_tokens))
+        run.held.append(allocation)
+    while run.held and data.ConsumeBool():
+        run.held.pop(data.ConsumeIntInRange(0, len(run.held) - 1)).release()
+
+
 _MATCH_FRAME = protocol.encode(
     protocol.request(9, Match(NAMESPACES[0], pack_tokens([1, 2, 3, 4]), "w0"))
 )
@@ -253,9 +277,11 @@ def one_input(raw: bytes) -> None:
     for _ in range(OPS):
         if data.remaining_bytes() == 0:
             break
-        kind = data.ConsumeIntInRange(0, 8)
+        kind = data.ConsumeIntInRange(0, 9)
         try:
-            if kind == 8:
+            if kind == 9:
+                local_cache(run, data)
+            elif kind == 8:
                 wire_calls(data)
             elif kind <= 3:
                 apply(run, data)
@@ -275,6 +301,7 @@ def one_input(raw: bytes) -> None:
         except (ValueError, TypeError, ProtocolError):
             pass  # refused: and nothing changed, which the integrity check below confirms
     run.index.check_integrity()
+    run.cache.check_integrity()
 
 
 def main() -> None:

@@ -145,28 +145,3 @@ class Run:
 def pages_for(n_tokens: int, page_tokens: int) -> int:
     """Pages that hold `n_tokens` tokens."""
     return -(-n_tokens // page_tokens)
-
-
-def common_pages(key: bytes, packed: bytes, at: int, step: int) -> int:
-    """Leading whole pages of `key` that `packed` holds from byte `at`, by binary search
-    over memcmp'd prefixes (the first page is known to match)."""
-    lo, hi = 1, min(len(key), len(packed) - at) // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if packed.startswith(key[: mid * step], at):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two packed pages share: a binary search of memcmp'd prefixes."""
-    lo, hi = 0, min(len(a), len(b)) // TOKEN_BYTES
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -12,8 +12,11 @@ from typing import NamedTuple
 
 from cache_service.events import Namespace
 from cache_service.tokens import TOKEN_BYTES
-from workers.cache.runs import Run, common_pages, common_tokens
+from workers.cache._walk import walk
+from workers.cache.runs import Run
 from workers.store.digests import root_digest
+
+_NO_OWNERS: dict = {}  # a walk that takes published pages only (never written to)
 
 
 class Match(NamedTuple):
@@ -115,18 +118,7 @@ class Trie:
 
     def match_length(self, packed: bytes, namespace: Namespace) -> int:
         """Tokens of `packed` in full published pages."""
-        step = self.step
-        node = self.roots.get(namespace)
-        matched = 0
-        while node is not None and matched + step <= len(packed):
-            node = node.child(packed[matched : matched + step])
-            if node is None or not node.ready:
-                break
-            if not packed.startswith(node.key, matched):
-                matched += common_pages(node.key, packed, matched, step) * step
-                break
-            matched += len(node.key)
-        return matched // TOKEN_BYTES
+        return walk(self.roots.get(namespace), packed, self.step, _NO_OWNERS)[1] // TOKEN_BYTES
 
     def match(self, packed: bytes, namespace: Namespace, owners: dict[Run, int]) -> Match:
         """Walk the trie: the runs to reference, the page to copy from, tokens reused.
@@ -137,41 +129,15 @@ class Trie:
         split so that the path ends at a run's end and the copy source is a run of one
         page: those pages' state is about to change, and a run's pages share theirs.
         """
-        p, step = self.page_tokens, self.step
+        p = self.page_tokens
         n = len(packed) // TOKEN_BYTES
-        node = self.roots.get(namespace)
-        walked: list[Run] = []  # matched runs; the last may match only its first pages
-        end = 0  # bytes of packed matched by whole pages
-        inside, inside_at = None, 0  # the run the prompt leaves partway, and where it begins
-        while node is not None and end + step <= len(packed):
-            child = node.child(packed[end : end + step])
-            if child is None or not (child.ready or child in owners):
-                break
-            walked.append(child)
-            if packed.startswith(child.key, end):
-                end += len(child.key)
-                node = child
-                continue
-            inside, inside_at = child, end
-            end += common_pages(child.key, packed, end, step) * step
-            break
-
-        partial, partial_len = None, 0
-        matched = end // step
-        if node is not None and matched * p < n:
-            rest = packed[end : end + step]
-            if inside is not None:
-                # Left inside a run: its next page is the only candidate.
-                if inside.ready:
-                    offset = end - inside_at
-                    partial_len = common_tokens(inside.key[offset : offset + step], rest)
-                    partial = inside if partial_len else None
-            else:
-                for child in node.starting_with(rest[:TOKEN_BYTES]):
-                    if child.ready:
-                        common = common_tokens(child.head, rest)
-                        if common > partial_len:
-                            partial, partial_len = child, common
+        # The compiled walk (workers/cache/csrc/walk.cpp): the runs whose pages match
+        # (`walked`; the last may match only its first pages), the bytes they cover, and
+        # past them the published page sharing most of the next page's first tokens: the
+        # next page of the run the prompt leaves partway, else the best child.
+        root = self.roots.get(namespace)
+        walked, end, partial, partial_len = walk(root, packed, self.step, owners)
+        matched = end // self.step
 
         # Leave at least the last prompt token to compute: the model needs its logits.
         reuse = min(matched * p + partial_len, n - 1)

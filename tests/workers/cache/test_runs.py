@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cache_service.tokens import pack_tokens
 from tests.workers.cache_helpers import NS, PAGE
-from workers.cache.runs import Run, common_pages, common_tokens, pages_for
+from workers.cache.runs import Run, pages_for
 
 STEP = PAGE * 4  # bytes of one packed page
 
@@ -57,14 +57,5 @@ def test_a_runs_id_and_depth_are_its_last_pages():
     assert not run.is_evictable_leaf()
 
 
-def test_common_tokens_and_pages():
-    page = pack_tokens([1, 2, 3, 4])
-    assert common_tokens(page, pack_tokens([1, 2, 9, 4])) == 2
-    assert common_tokens(page, page) == 4
-    assert common_tokens(page, pack_tokens([0, 2, 3, 4])) == 0
-    assert common_tokens(page, pack_tokens([1, 2])) == 2  # a short last page
-    key = pack_tokens(list(range(3 * PAGE)))  # three pages
-    prompt = pack_tokens([99] * PAGE + list(range(2 * PAGE)) + [5] * PAGE)
-    assert common_pages(key, prompt, STEP, STEP) == 2  # from byte STEP: pages 0-1 of key
-    assert common_pages(key, pack_tokens(list(range(PAGE + 2))), 0, STEP) == 1  # too short
+def test_pages_for():
     assert [pages_for(n, PAGE) for n in (0, 1, PAGE, PAGE + 1)] == [0, 1, 1, 2]
