@@ -1,7 +1,8 @@
 """A bounded run of the coverage-guided fuzzer of the compiled entry points
 (fuzz_compiled.py): no input may crash the process, raise anything but a refusal, leave
-the index failing its integrity check, or be read by the compiled MATCH reader otherwise
-than the general decoder reads it.
+the index or a local prefix cache failing its integrity check, serve a slot another
+token's KV, or be read by the compiled MATCH reader otherwise than the general decoder
+reads it.
 
 The run is short (FUZZ_S); a longer one is `python tests/security/fuzz_compiled.py
 -max_total_time=N corpus_dir`.

@@ -1,4 +1,5 @@
-"""The prefix trie's node, the run, and the comparisons of packed token keys.
+"""The prefix trie's node, the run (the walk that compares packed token keys along runs is
+compiled: `workers/cache/csrc/walk.cpp`).
 
 The trie's unit is the page (`page_tokens` token ids): pages are matched, referenced,
 published and evicted one by one. Its nodes are *runs*: a run is a chain of full pages

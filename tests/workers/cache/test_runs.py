@@ -1,5 +1,4 @@
-"""Runs, the trie's nodes: their child maps (indexed by first token once wide) and the
-comparisons of packed keys."""
+"""Runs, the trie's nodes: their child maps (indexed by first token once wide)."""
 
 from __future__ import annotations
 
