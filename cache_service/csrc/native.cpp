@@ -438,7 +438,8 @@ PyMethodDef methods[] = {
 };
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_native",
-                          "Token packing and page digests, compiled.", -1, methods};
+                          "The compiled wire and digests.", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

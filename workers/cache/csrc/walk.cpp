@@ -280,7 +280,8 @@ PyMethodDef methods[] = {
 };
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_walk",
-                          "The local prefix trie's walk, compiled.", -1, methods};
+                          "The local prefix trie's walk, compiled.", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
