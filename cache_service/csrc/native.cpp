@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "blake2b.hpp"
 #include "match_wire.hpp"
@@ -69,6 +70,13 @@ PyObject* pack_int32(PyObject*, PyObject* ids) {
 constexpr std::size_t kDigest = 16;
 const unsigned char kPagePerson[] = "kvmesh-page-v1";  // 14 bytes, zero-padded to 16
 
+// Whether a digest is all zeros (what an unpublished page records).
+bool all_zero(const unsigned char* digest) {
+  for (std::size_t i = 0; i < kDigest; ++i)
+    if (digest[i] != 0) return false;
+  return true;
+}
+
 // One page's digest under `parent` (never all zeros: that means "nothing published").
 void page_digest(const unsigned char* parent, const unsigned char* page, std::size_t bytes,
                  unsigned char* out) {
@@ -76,9 +84,7 @@ void page_digest(const unsigned char* parent, const unsigned char* page, std::si
   hash.update(parent, kDigest);
   hash.update(page, bytes);
   hash.final(out);
-  bool empty = true;
-  for (std::size_t i = 0; i < kDigest && empty; ++i) empty = out[i] == 0;
-  if (empty) out[0] = 1;
+  if (all_zero(out)) out[0] = 1;
 }
 
 // A parent digest and a byte buffer, the two first arguments of the digest functions: both
@@ -288,47 +294,42 @@ PyObject* record_digests(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   Py_ssize_t num_pages = flags.len;
-  PyObject* out = nullptr;
-  int fault = 0;
-  Py_ssize_t at = 0;
   if (view.len != num_pages * static_cast<Py_ssize_t>(kDigest)) {
     PyErr_Format(PyExc_ValueError, "a digest view of %zd bytes for %zd pages", view.len,
                  num_pages);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&view);
+    return nullptr;
+  }
+  // The faults in the order they are named: every page's range, then free pages, then
+  // the digests; the first item of the first kind found.
+  std::vector<long> numbers(static_cast<std::size_t>(count));
+  const auto* free = static_cast<const unsigned char*>(flags.buf);
+  int fault = 0;
+  Py_ssize_t at = 0;
+  for (; fault == 0 && at < count; ++at) {
+    numbers[at] = page_number(PyList_GET_ITEM(pages, at));
+    if (numbers[at] < 0 || numbers[at] >= num_pages) fault = 1;
+  }
+  for (at = fault ? at : 0; fault == 0 && at < count; ++at)
+    if (free[numbers[at]] != 0) fault = 2;
+  for (at = fault ? at : 0; fault == 0 && at < count; ++at) {
+    PyObject* digest = PyList_GET_ITEM(digests, at);
+    if (!PyBytes_CheckExact(digest) || PyBytes_GET_SIZE(digest) != Py_ssize_t{kDigest})
+      fault = 3;
+    else if (all_zero(reinterpret_cast<const unsigned char*>(PyBytes_AS_STRING(digest))))
+      fault = 4;
+  }
+  PyObject* out;
+  if (fault != 0) {
+    out = Py_BuildValue("(in)", fault, at - 1);
   } else {
-    const auto* free = static_cast<const unsigned char*>(flags.buf);
-    // Fault by fault over all items, in the order the errors are named: ranges, free
-    // pages, then the digests.
-    for (int check = 1; check <= 3 && fault == 0; ++check) {
-      for (at = 0; at < count && fault == 0; ++at) {
-        long page = page_number(PyList_GET_ITEM(pages, at));
-        PyObject* digest = PyList_GET_ITEM(digests, at);
-        if (check == 1) {
-          if (page < 0 || page >= num_pages) fault = 1;
-        } else if (check == 2) {
-          if (free[page] != 0) fault = 2;
-        } else if (!PyBytes_CheckExact(digest) ||
-                   PyBytes_GET_SIZE(digest) != static_cast<Py_ssize_t>(kDigest)) {
-          fault = 3;
-        } else {
-          const char* bytes = PyBytes_AS_STRING(digest);
-          bool empty = true;
-          for (std::size_t i = 0; i < kDigest && empty; ++i) empty = bytes[i] == 0;
-          if (empty) fault = 4;
-        }
-      }
-    }
-    if (fault != 0) {
-      out = Py_BuildValue("(in)", fault, at - 1);
-    } else {
-      auto* target = static_cast<unsigned char*>(view.buf);
-      for (Py_ssize_t i = 0; i < count; ++i) {
-        long page = page_number(PyList_GET_ITEM(pages, i));
-        std::memcpy(target + page * kDigest, PyBytes_AS_STRING(PyList_GET_ITEM(digests, i)),
-                    kDigest);
-      }
-      Py_INCREF(Py_None);
-      out = Py_None;
-    }
+    auto* target = static_cast<unsigned char*>(view.buf);
+    for (Py_ssize_t i = 0; i < count; ++i)
+      std::memcpy(target + numbers[i] * kDigest, PyBytes_AS_STRING(PyList_GET_ITEM(digests, i)),
+                  kDigest);
+    Py_INCREF(Py_None);
+    out = Py_None;
   }
   PyBuffer_Release(&flags);
   PyBuffer_Release(&view);
