@@ -65,7 +65,8 @@ system-packages:
 test-deps: install vllm-venv system-packages
 
 # The suite is spread over TEST_PROCESSES pytest processes, a test file each at a time
-# (`--dist loadfile`: a module's shared mesh is built once, in one process). Most tests
+# (`--dist loadfile`: a module's shared mesh is built once, in one process), the slowest
+# files first (tests/durations.py; `--no-loadscope-reorder` keeps that order). Most tests
 # wait on other processes (Ray, workers, vLLM engines) as much as they compute, so two
 # keep two cores busy (three saturate them, and tests that wait on deadlines, such as a
 # vLLM engine's first heartbeats, then miss them). Each runs under tests/isolate, with a
@@ -74,7 +75,7 @@ TEST_PROCESSES ?= 2
 
 test:
 	$(MAKE) -j3 test-deps
-	$(BIN)/python -m pytest --dist loadfile --durations=25 \
+	$(BIN)/python -m pytest --dist loadfile --no-loadscope-reorder --durations=25 \
 	    --tx '$(TEST_PROCESSES)*popen//python=$(CURDIR)/tests/isolate $(CURDIR)/$(BIN)/python'
 
 lint: install

@@ -82,6 +82,7 @@ class Cluster:
             log=log,
         )
         self.port = free_port()
+        self._deploying: dict[str, float] = {}  # app name -> when its deploy began
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
     def deploy(
@@ -92,9 +93,11 @@ class Cluster:
         router: str,
         connector: bool,
         engine_kwargs: dict | None = None,
+        wait: bool = True,
     ) -> None:
         """An OpenAI app at /<name> serving MODEL from `replicas` vLLM engines, with a
-        router ("kvmesh", "pow2", or a ROUTERS name) and with or without the connector."""
+        router ("kvmesh", "pow2", or a ROUTERS name) and with or without the connector;
+        running when this returns, unless `wait` is false (then `wait_running` waits)."""
         from ray import serve
         from ray.serve.llm import build_openai_app
 
@@ -116,16 +119,23 @@ class Cluster:
             connector_config={"ray_address": self.gcs, "node_ip_address": "127.0.0.1"},
             **ON_CPU,
         )
-        start = time.monotonic()
         print(f"deploying {name} ({replicas} replicas, router {router})...", file=self.log)
-        serve.run(
-            build_openai_app({"llm_configs": [config]}),
-            name=name,
-            route_prefix=f"/{name}",
-            blocking=False,
+        self._deploying[name] = time.monotonic()
+        app = build_openai_app({"llm_configs": [config]})
+        serve.run_many(  # returns once Serve has the app; `wait_running` waits for it
+            [serve.RunTarget(app, name=name, route_prefix=f"/{name}")],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
         )
-        self._wait_running(name, start)
-        print(f"{name} up in {time.monotonic() - start:.0f} s", file=self.log)
+        if wait:
+            self.wait_running(name)
+
+    def wait_running(self, *names: str) -> None:
+        """Wait until every app named is running (each deployed by `deploy`), in turn."""
+        for name in names:
+            start = self._deploying.pop(name)
+            self._wait_running(name, start)
+            print(f"{name} up in {time.monotonic() - start:.0f} s", file=self.log)
 
     def delete(self, name: str) -> None:
         from ray import serve
@@ -293,8 +303,10 @@ def check(folder: str, log=sys.stderr) -> dict[str, Any]:
     cluster = Cluster(log)
     out: dict[str, Any] = {}
     try:
-        cluster.deploy("plain", folder, 1, "pow2", connector=False)
-        cluster.deploy("kvmesh", folder, 2, "kvmesh", connector=True)
+        # Both apps start side by side: their engines load while the others do.
+        cluster.deploy("plain", folder, 1, "pow2", connector=False, wait=False)
+        cluster.deploy("kvmesh", folder, 2, "kvmesh", connector=True, wait=False)
+        cluster.wait_running("plain", "kvmesh")
         out["engines"] = sorted(cluster.engines())
         out["dashboard_workers"] = cluster.dashboard_workers()
         reference = [cluster.complete("plain", p, 12, "reference")["text"] for p in prompts]

@@ -63,6 +63,15 @@ def _check_leaks(where: str, segments: set[str], threads: set[threading.Thread])
     assert not running, f"{where} left threads running: {sorted(t.name for t in running)}"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slowest modules first (`tests/durations.py` says why); a module's tests keep
+    their order, and modules without a record keep file order after those with one."""
+    from tests.durations import recorded
+
+    seconds = recorded()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_leaks_per_module(request) -> Iterator[None]:
     segments, threads = kvmesh_segments(), stray_threads()

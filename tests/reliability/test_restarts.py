@@ -20,9 +20,9 @@ from workers.store.segment_names import SHM_DIR, owner_alive
 
 pytestmark = pytest.mark.slow
 
-KILLS = 50
+KILLS = 24  # eight incarnations of each killed worker
 KILLED = ("w1", "w2", "w3")  # killed in turn, restarting side by side; w0 is never killed
-CHECK_EVERY = 25  # after so many kills, every worker must be taken back and serve
+CHECK_EVERY = 12  # after so many kills, every worker must be taken back and serve
 CONFIG = {
     "model": {"name": "tiny"},
     "store": {"num_pages": 64},
@@ -62,7 +62,7 @@ def mesh(ray_local):
 
 
 def test_killed_workers_come_back_empty_and_their_segments_go(mesh):
-    """50 SIGKILLs, each of an incarnation as soon as it has made its store (often before
+    """24 SIGKILLs, each of an incarnation as soon as it has made its store (often before
     it has finished starting): the incarnations that follow reclaim what the dead left, so
     /dev/shm holds at most one dead store per killed worker, and none once the kills stop."""
     before = segments()

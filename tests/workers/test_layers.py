@@ -95,7 +95,12 @@ FORBIDDEN = {
             "benchmarks.gpu_checks.layouts",
         )
     },
-    "workers.worker": ["ray", "workers.actor", "workers.engines"],
+    "workers.worker": ["ray", "transformers", "workers.actor", "workers.engines"],
+    # Ray loads an actor's class to make a handle to it: a front door that attaches to a
+    # mesh (`kvmesh status`, `cluster.connect(address=...)`) imports this module to hold
+    # the workers' handles, so it loads no model code; a worker imports transformers when
+    # it builds its model and runner.
+    "workers.actor": ["transformers"],
     "cache_service.routing": [
         "ray",
         "zmq",

@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from workers.serving.model_loader import check_store_fits
 from workers.serving.paged_attention import cascade, gather_padded, gather_pages
@@ -137,6 +136,12 @@ class BatchRunner:
     """
 
     def __init__(self, model: PreTrainedModel, store: SharedPageStore):
+        # transformers loads with a runner, not with this module: a front door loads the
+        # worker's class (whose module imports this one) to hold a worker's actor handle,
+        # and must not pay a second and a half for a model it never runs.
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._rotary = apply_rotary_pos_emb
         inner = getattr(model, "model", None)
         if inner is None or not all(
             hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -271,7 +276,7 @@ class BatchRunner:
         q = attn.q_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, H, T, hd)
         k = attn.k_proj(x).view(1, t, -1, head_dim).transpose(1, 2)  # (1, KVH, T, hd)
         v = attn.v_proj(x).view(1, t, -1, head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
+        q, k = self._rotary(q, k, *rope)
         # The new tokens' KV into their slots: (T, KVH, hd) at kv[page, 0|1, :, slot].
         kv[write_pages, 0, :, write_slots] = k[0].transpose(0, 1).to(kv.dtype)
         kv[write_pages, 1, :, write_slots] = v[0].transpose(0, 1).to(kv.dtype)

@@ -34,13 +34,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from workers.serving.device import on_device
 from workers.store.page_store import SharedPageStore, StoreLayout
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+# transformers is imported where a model or a tokenizer is made, not with this module: the
+# worker's module imports this one, and a front door that loads the worker's class to hold
+# its actor handles must not pay a second and a half for models it never builds.
 
 # ---------------------------------------------------------------------------- loading
 
@@ -160,6 +163,8 @@ def load_tokenizer(
     Raises:
         ModelNotFoundError: the model's package is not installed.
     """
+    from transformers import AutoTokenizer
+
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(spec)
     gguf = gguf_path(spec)
     if _read_marker(cache_dir) is not None:
@@ -266,6 +271,8 @@ def smollm2_shaped(
 def _random_llama(
     seed: int, fields: dict[str, Any], dtype: torch.dtype, device: str | torch.device
 ) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(**fields)
     theta = fields.get("rope_theta")
     if theta is not None and rope_theta(config) != theta:
@@ -327,6 +334,8 @@ def _read_marker(cache_dir: Path) -> dict[str, Any] | None:
 
 
 def _load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
@@ -339,6 +348,8 @@ def _load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 def _load_dir(
     directory: Path, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model.eval(), tokenizer

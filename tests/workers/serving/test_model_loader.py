@@ -111,7 +111,9 @@ def test_the_tokenizer_alone_loads_from_the_cache_or_the_gguf_without_weights(
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(model_loader.AutoModelForCausalLM, "from_pretrained", no_weights)
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     _, tokenizer = smollm2
     text = "<|im_start|>user\nhello there<|im_end|>"
     cached = load_tokenizer()  # from the cache the fixture's load left
