@@ -3,7 +3,7 @@
 Ray: one embedded instance (`ray_local`) and one simulated two-node cluster
 (`ray_cluster`) serve every module of a test process that asks for them. A driver holds
 one Ray connection at a time, so asking for the other kind shuts the first down and starts
-the second; a process runs whole modules in file order (`make test` hands each of its
+the second; a process runs whole modules one after another (`make test` hands each of its
 processes whole files), so that happens a few times per run, not per test.
 Each module must leave the Ray it used as it found it: no named kvmesh actor survives it.
 
