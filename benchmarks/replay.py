@@ -28,6 +28,9 @@ One request, in order (no concurrency):
                 per GlobalIndex.match, count as remote hits.
     publish     the whole prompt: the copied-in pages become local like computed ones.
     release     then the worker's KV events go to the index (one batch, seq + 1).
+    heartbeats  every worker takes the index's notices of its pages that another worker
+                has stored since (`GlobalIndex.held_elsewhere`): its cache evicts those
+                first (`cache.cluster_eviction`; `--local-eviction` turns it off).
 
 Accounting, per request of n prompt tokens:
 
@@ -327,9 +330,18 @@ class _Cluster:
     """N simulated workers (real caches over real pools) and the index their events feed."""
 
     def __init__(
-        self, workers: int, pages_per_worker: int, page_tokens: int, load_window: int
+        self,
+        workers: int,
+        pages_per_worker: int,
+        page_tokens: int,
+        load_window: int,
+        cluster_eviction: bool = True,
     ) -> None:
-        config = PrefixCacheConfig(page_tokens=page_tokens, publish_decode_pages=False)
+        config = PrefixCacheConfig(
+            page_tokens=page_tokens,
+            publish_decode_pages=False,
+            cluster_eviction=cluster_eviction,
+        )
         self.worker_ids = [f"w{i}" for i in range(workers)]
         self.caches = {
             worker_id: PrefixCache(PagePool(pages_per_worker), config)
@@ -372,8 +384,17 @@ class _Cluster:
         allocation.publish(n)
         allocation.release()
         self._ship(worker_id)
+        self._heartbeats()
         self._account(worker_id, n - local - remote)
         return _Served(worker_id, local, remote)
+
+    def _heartbeats(self) -> None:
+        """What each worker's heartbeat brings back: the index's notices of its pages that
+        another worker has stored since (`PrefixCache.held_elsewhere`)."""
+        for worker_id, cache in self.caches.items():
+            pages, generations = self.index.held_elsewhere(worker_id, self.epochs[worker_id])
+            if pages:
+                cache.held_elsewhere(pages, generations)
 
     def _own_prefix(self, worker_id: str, allocation, packed: bytes, n: int) -> int:
         """Tokens of the prompt the worker reuses of its own: its cache's match (a tiered
@@ -494,6 +515,7 @@ def replay(
     page_tokens: int = TRACE_BLOCK_TOKENS,
     progress: bool | ProgressFn = False,
     load_window: int = LOAD_WINDOW,
+    cluster_eviction: bool = True,
 ) -> dict[str, object]:
     """Replay requests through N simulated workers, then again through one infinite cache.
 
@@ -508,6 +530,8 @@ def replay(
         progress: True for a progress bar on stderr, or a callable given a
             ReplayProgress; False for silence.
         load_window: requests over which prefix routing measures each worker's load.
+        cluster_eviction: workers evict the pages a peer has stored since first (as
+            `cache.cluster_eviction` does); False: each by its own LRU alone.
 
     Returns:
         The figures: hit_rate, infinite_hit_rate, local_hit_rate, remote_hit_rate,
@@ -543,7 +567,7 @@ def replay(
         report = None
 
     started = time.perf_counter()
-    cluster = _Cluster(workers, pages_per_worker, page_tokens, load_window)
+    cluster = _Cluster(workers, pages_per_worker, page_tokens, load_window, cluster_eviction)
     totals = _run(cluster, requests, chosen, "replay", report)
     replay_s = time.perf_counter() - started
     index_stats = cluster.index.stats()
@@ -568,6 +592,7 @@ def replay(
     infinite_hit_rate = infinite_totals.rate(infinite_totals.hit)
     return {
         "routing": routing,
+        "cluster_eviction": cluster_eviction,
         "workers": workers,
         "pages_per_worker": pages_per_worker,
         "page_tokens": page_tokens,
@@ -623,6 +648,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=_positive_int, default=None, help="replay only the first K requests"
     )
+    parser.add_argument(
+        "--local-eviction",
+        action="store_true",
+        help="workers evict by their own LRU alone, not first what a peer holds too",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
@@ -648,6 +678,7 @@ def main(args: argparse.Namespace) -> int:
             routing=args.routing,
             page_tokens=args.page_tokens,
             progress=not args.json and sys.stderr.isatty(),
+            cluster_eviction=not args.local_eviction,
         )
     except ValueError as error:
         print(f"kvmesh replay: error: {error}", file=sys.stderr)

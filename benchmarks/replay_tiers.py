@@ -57,8 +57,9 @@ class TieredCluster(_Cluster):
         directory: Path,
         page_tokens: int = TRACE_BLOCK_TOKENS,
         load_window: int = 64,
+        cluster_eviction: bool = True,
     ) -> None:
-        super().__init__(workers, pages_per_worker, page_tokens, load_window)
+        super().__init__(workers, pages_per_worker, page_tokens, load_window, cluster_eviction)
         self.layout = StoreLayout(
             num_pages=pages_per_worker,
             num_layers=1,
@@ -67,7 +68,11 @@ class TieredCluster(_Cluster):
             head_dim=1,
             dtype="float32",
         )
-        config = PrefixCacheConfig(page_tokens=page_tokens, publish_decode_pages=False)
+        config = PrefixCacheConfig(
+            page_tokens=page_tokens,
+            publish_decode_pages=False,
+            cluster_eviction=cluster_eviction,
+        )
         # An index whose holders may hold both tiers' pages.
         capacity = pages_per_worker + disk_pages
         self.index = GlobalIndex(page_tokens=page_tokens, max_capacity=capacity)
@@ -131,10 +136,13 @@ def hit_rate(
     pages_per_worker: int,
     disk_pages: int = 0,
     routing: str = "prefix",
+    cluster_eviction: bool = True,
 ) -> float:
     """The replay's hit rate (hit tokens / prompt tokens) through real tiers."""
     directory = Path(tempfile.mkdtemp(prefix="replay-tiers-", dir=_scratch_root()))
-    cluster = TieredCluster(workers, pages_per_worker, disk_pages, directory)
+    cluster = TieredCluster(
+        workers, pages_per_worker, disk_pages, directory, cluster_eviction=cluster_eviction
+    )
     try:
         totals: _Totals = _run(cluster, requests, _routing(routing), "replay", None)
     finally:

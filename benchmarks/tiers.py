@@ -25,7 +25,10 @@ The Mooncake conversation trace (../shared/traces) replayed through real tiers
 (`benchmarks.replay_tiers`: 4 workers, kvmesh's routing, 4,000 host pages of 512 tokens
 each, a small KV format so pages really move between shared memory and files), alone
 (`hit_rate_host_only`) and with 32,000 disk pages each (`hit_rate_with_disk`); and
-`vs_single_lru`: the host-only mesh against one LRU cache of the same 16,000 pages.
+`vs_single_lru`: the host-only mesh against one LRU cache of the same 16,000 pages. The
+workers evict the pages another worker has stored since first (`cache.cluster_eviction`,
+the default); `vs_single_lru_local_eviction` is the same mesh with each worker evicting by
+its own LRU alone.
 """
 
 from __future__ import annotations
@@ -239,6 +242,8 @@ def _replay(log) -> dict[str, float]:
     host_only = replay_hit_rate(requests, 4, REPLAY_HOST_PAGES)
     print(f"replay: with {REPLAY_DISK_PAGES} disk pages each...", file=log)
     with_disk = replay_hit_rate(requests, 4, REPLAY_HOST_PAGES, REPLAY_DISK_PAGES)
+    print("replay: host only, each worker evicting by its own LRU alone...", file=log)
+    local_only = replay_hit_rate(requests, 4, REPLAY_HOST_PAGES, cluster_eviction=False)
     print(f"replay: one LRU cache of {4 * REPLAY_HOST_PAGES} pages...", file=log)
     single = replay_hit_rate(requests, 1, 4 * REPLAY_HOST_PAGES, routing="round-robin")
     return {
@@ -248,6 +253,8 @@ def _replay(log) -> dict[str, float]:
         "with_disk_vs_host_only": round(with_disk / host_only, 3),
         "hit_rate_single_lru": round(single, 4),
         "vs_single_lru": round(host_only / single, 3),
+        "hit_rate_local_eviction": round(local_only, 4),
+        "vs_single_lru_local_eviction": round(local_only / single, 3),
     }
 
 

@@ -233,7 +233,8 @@ class RequestHandlers:
                 f"with service epoch {self.epoch}; register again",
             )
         self.reports.update(request.worker_id, request.report)
-        return EpochReply(self.epoch, self.quarantine.version)
+        pages, generations = self.index.held_elsewhere(request.worker_id, request.epoch)
+        return EpochReply(self.epoch, self.quarantine.version, pages, generations)
 
     def _events(self, request: PublishEvents) -> ApplyResult:
         result = self.index.apply_events(

@@ -320,11 +320,15 @@ class Registered(NamedTuple):
 
 
 class EpochReply(NamedTuple):
-    """The answer to Heartbeat: the service's current epoch, and the version of its
-    quarantine list (a member whose copy is older asks for the list: GetQuarantine)."""
+    """The answer to Heartbeat: the service's current epoch, the version of its
+    quarantine list (a member whose copy is older asks for the list: GetQuarantine), and
+    pages of the worker's that another worker has stored since it did, with their
+    generations (`GlobalIndex.held_elsewhere`): its cache evicts those first."""
 
     service_epoch: int
     quarantine: int = 0
+    elsewhere_pages: Sequence[int] = ()
+    elsewhere_generations: Sequence[int] = ()
 
 
 class ApplyResult(NamedTuple):

@@ -14,6 +14,10 @@ same way, so a prefix never loses its holder between tiers:
     stored  host  page 7  gen 3      node N: (w, 7, 3, host)
     demoted 7 -> 1007 gen 4, disk    node N: (w, 1007, 4, disk)   page 7 forgotten
     stored  host  page 9  gen 5      node N: (w, 9, 5, host)      page 1007 forgotten
+
+A worker that newly holds a node others hold already has the newest copy of that page (it
+copied it in, or computed it again): the others' copies of it are what a cluster can best
+spare, and the index tells them so (`Superseded`, read back with their heartbeats).
 """
 
 from __future__ import annotations
@@ -37,6 +41,32 @@ from cache_service.tokens import INT32_MAX, pack_tokens
 
 _INT64_MAX = 2**63 - 1
 TIER_INDEX = {name: index for index, name in enumerate(TIERS)}
+_DISK = TIER_INDEX["disk"]
+
+
+class Superseded:
+    """Per worker, the pages of its that another worker has since stored too: the notices
+    its next heartbeat takes (`GlobalIndex.held_elsewhere`), at most `limit` waiting a
+    worker (the oldest go first)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.issued = 0  # notices made (the stats' "superseded_pages")
+        self.overflowed = 0  # notices dropped unread because `limit` were waiting
+
+    def add(self, slots: Sequence[Worker | None], others: Sequence[tuple]) -> None:
+        """Queue a notice for each (slot, page, generation, tier) of `others` held in
+        memory (a disk copy is not what host memory makes room from)."""
+        for slot, page, generation, tier in others:
+            worker = slots[slot]
+            if worker is None or tier == _DISK:
+                continue
+            waiting = worker.superseded
+            if len(waiting) >= self.limit:
+                waiting.popleft()
+                self.overflowed += 1
+            waiting.append((page, generation))
+            self.issued += 1
 
 
 class Chains:
@@ -53,9 +83,15 @@ class Chains:
         self.unknown_pages = 0
 
     def apply(
-        self, worker: Worker, events: Sequence[KvEvent], packed: Sequence[bytes | None], clock: int
+        self,
+        worker: Worker,
+        events: Sequence[KvEvent],
+        packed: Sequence[bytes | None],
+        clock: int,
+        others: list | None = None,
     ) -> str | None:
-        """Apply checked events (`packed`: what `check_event` returned for each) in order.
+        """Apply checked events (`packed`: what `check_event` returned for each) in order;
+        `others` collects the other holders of the pages it newly holds (see `store`).
 
         Returns:
             None, or why a stored chain cannot be placed (see `store`); the events before
@@ -63,7 +99,7 @@ class Chains:
         """
         for event, data in zip(events, packed, strict=True):
             if isinstance(event, PagesStored):
-                failure = self.store(worker, event, data, clock)
+                failure = self.store(worker, event, data, clock, others)
                 if failure is not None:
                     return failure
             elif isinstance(event, PagesRemoved):
@@ -80,11 +116,20 @@ class Chains:
                 self.drop_all(worker, "cleared")
         return None
 
-    def store(self, worker: Worker, event: PagesStored, data: bytes, clock: int) -> str | None:
+    def store(
+        self,
+        worker: Worker,
+        event: PagesStored,
+        data: bytes,
+        clock: int,
+        others: list | None = None,
+    ) -> str | None:
         """Hang a checked chain (packed tokens `data`) below the worker's parent page.
 
         A page on a node the worker holds already (in another tier, or under another
-        id) moves that holding to the chain's page id, generation and tier.
+        id) moves that holding to the chain's page id, generation and tier. `others`
+        (when given) collects (slot, page, generation, tier) of every other holder of a
+        node the worker did not hold before.
 
         Returns:
             None, or why it cannot be placed: "unknown_parent" (the worker holds no such
@@ -115,6 +160,8 @@ class Chains:
             clock,
         )
         self._settle(worker, written)
+        if others is not None and written[5]:
+            others.extend(written[5])
         return None if written[0] else "page_conflict"
 
     def demote(self, worker: Worker, event: PagesDemoted) -> str | None:
@@ -148,7 +195,7 @@ class Chains:
     def _settle(self, worker: Worker, written: tuple, reason: str | None = None) -> None:
         """Take in what a compiled write did: the worker's pages per tier, the removals
         counted under `reason`, the ids it did not hold; free the roots it emptied."""
-        _, tier_delta, removed, _, unknown = written
+        _, tier_delta, removed, _, unknown = written[:5]
         held = zip(worker.tier_pages, tier_delta, strict=True)
         worker.tier_pages = [pages + delta for pages, delta in held]
         self.unknown_pages += unknown

@@ -15,7 +15,7 @@ from typing import Any
 
 from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.index.batches import BatchOrder
-from cache_service.index.chains import Chains, check_event, check_snapshot
+from cache_service.index.chains import Chains, Superseded, check_event, check_snapshot
 from cache_service.index.holders import Holders, host_pages, match_spans
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
@@ -108,6 +108,7 @@ class GlobalIndex(ThreadOwned):
         self._nodes = Nodes(page_tokens, self._keys, self._holders)
         self._nodes.grow(64)
         self._chains = Chains(self._nodes)
+        self._superseded = Superseded()
         self._trie = self._nodes.trie
         self._registry = Registry(max_workers, max_capacity)
         self._tallies = Tallies(page_tokens, max_tenants)
@@ -297,10 +298,54 @@ class GlobalIndex(ThreadOwned):
         assert worker is not None
         packed = [check_event(event, self.page_tokens) for event in events]
         self._clock += 1
-        failure = self._chains.apply(worker, events, packed, self._clock)
+        others: list = []
+        failure = self._chains.apply(worker, events, packed, self._clock, others)
+        if others:
+            self._superseded.add(self._registry.slots, others)
         if failure is not None:
             return self._batches.desync(worker, failure)
         return self._batches.applied(worker, seq)
+
+    def held_elsewhere(
+        self, worker_id: str, epoch: int, limit: int = 1024
+    ) -> tuple[list[int], list[int]]:
+        """Pages of the worker's (in memory) that another worker has stored since it did:
+        the cluster keeps them if this worker lets them go, so its cache evicts them
+        before pages only it holds (`workers.cache.evictor`).
+
+        Each notice is taken once, and checked before it goes out: the worker still holds
+        that page id at that generation, and someone else holds the page too. A worker
+        that stores a page it already held elsewhere (a resync, a load back from disk)
+        supersedes no one.
+
+        Args:
+            worker_id, epoch: the worker, as registered (another epoch: nothing).
+            limit: notices to take at most (the rest wait for the next call).
+
+        Returns:
+            (page ids, generations), in the order the copies were stored.
+        """
+        self._own()
+        worker = self._registry.get(worker_id)
+        if worker is None or worker.epoch != epoch or not worker.superseded:
+            return [], []
+        waiting, pages, holders = worker.superseded, worker.pages, self._holders
+        counts, slot = holders.count, worker.slot
+        page_ids: list[int] = []
+        generations: list[int] = []
+        seen: set[int] = set()
+        while waiting and len(page_ids) < limit:
+            page, generation = waiting.popleft()
+            node = pages.get(page)
+            if node is None or page in seen or counts[node] < 2:
+                continue
+            held = holders.holding(node, slot)
+            if held is None or held[0] != page or held[1] != generation:
+                continue
+            seen.add(page)
+            page_ids.append(page)
+            generations.append(generation)
+        return page_ids, generations
 
     def resync(
         self, worker_id: str, epoch: int, seq: int, chains: Sequence[PagesStored]
@@ -466,17 +511,27 @@ class GlobalIndex(ThreadOwned):
         Returns:
             "page_tokens", "pages", "holdings", "workers_live", "tiers", "removals",
             "demotions", "cluster", "tenants", "workers", "events" and "removed_workers",
-            as drawn in `cache_service.index.stats`.
+            as drawn in `cache_service.index.stats`, and "superseded": notices "issued"
+            (a worker's page stored by another since, see `held_elsewhere`) and those
+            "overflowed" (dropped unread).
         """
         self._own()
         parts = self._nodes, self._registry, self._tallies, self._batches.counts, self._chains
-        return index_stats(self.page_tokens, *parts)
+        stats = index_stats(self.page_tokens, *parts)
+        stats["superseded"] = {
+            "issued": self._superseded.issued,
+            "overflowed": self._superseded.overflowed,
+        }
+        return stats
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
         self._own()
         check_integrity(self._nodes, self._holders, self._registry)
         self._registry.check()
+        for worker in self._registry.workers.values():
+            waiting = len(worker.superseded)
+            assert waiting <= self._superseded.limit, f"{worker.worker_id}: {waiting} notices"
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
 
 

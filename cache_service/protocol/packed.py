@@ -80,3 +80,21 @@ def pack_ints(values: Any, code: str, path: str) -> bytes:
     except (struct.error, TypeError) as exc:
         bits = 32 if code == "i" else 64
         raise ProtocolError(BAD_FIELD, f"{path}: not int{bits} values ({exc})") from None
+
+
+def packed_checker(code: str):
+    """A field check: packed non-negative int32 ("i") or int64 ("q") -> a tuple of ints."""
+
+    def check(value: Any, path: str, limits: Limits) -> tuple[int, ...]:
+        return check_packed(value, path, limits, code)
+
+    return check
+
+
+def packed_wire(code: str):
+    """A field's wire form: ints (or bytes as they are) -> packed int32 / int64 bytes."""
+
+    def wire(values: Any) -> bytes:
+        return pack_ints(values, code, "packed ints")
+
+    return wire

@@ -15,6 +15,7 @@ from cache_service import messages as m
 from cache_service.protocol import fields as f
 from cache_service.protocol.errors import SCHEMA_DEPTH, SCHEMA_MAP_KEYS
 from cache_service.protocol.event_wire import check_chains, check_events, events_wire
+from cache_service.protocol.packed import packed_checker, packed_wire
 from cache_service.protocol.peer_wire import check_peers, peers_wire
 from cache_service.protocol.report_wire import check_report, report_wire
 from cache_service.protocol.spans import check_spans, spans_wire
@@ -29,8 +30,9 @@ from cache_service.protocol.spans import check_spans, spans_wire
 # carries the worker's capacity (pages its store holds); spot checks and quarantine
 # (ReportHolder, GetQuarantine; the heartbeat's reply carries the quarantine's version).
 # 10: pages have tiers: stored and removed events may carry theirs, demotions ("d"), and
-# match spans carry each page's tier where a span mixes tiers.
-PROTOCOL_VERSION = 11
+# match spans carry each page's tier where a span mixes tiers. 12: the heartbeat's reply
+# names the worker's pages that another worker has stored since (cluster-aware eviction).
+PROTOCOL_VERSION = 12
 
 # Request types, then the two reply types.
 REGISTER = "register"
@@ -127,6 +129,9 @@ AFTER = Field("after", f.check_after)
 PEER_LIST = Field("peers", check_peers, peers_wire, 2)  # peers / an entry
 DIGESTS = Field("digests", f.check_digests)
 IDS = Field("ids", f.check_ids, list, 1)
+# Page ids and generations packed as little-endian int32 and int64 bytes (`packed`).
+PAGE_IDS = Field("page ids", packed_checker("i"), packed_wire("i"))
+GENERATIONS = Field("generations", packed_checker("q"), packed_wire("q"))
 
 
 def _ack(kind: str) -> Body:
@@ -150,7 +155,14 @@ MESSAGES: dict[str, MessageSchema] = {
     ),
     HEARTBEAT: MessageSchema(
         body(m.Heartbeat, HEARTBEAT, worker_id=ID, epoch=COUNT, load=LOAD, report=REPORT),
-        body(m.EpochReply, f"{HEARTBEAT}.reply", service_epoch=COUNT, quarantine=COUNT),
+        body(
+            m.EpochReply,
+            f"{HEARTBEAT}.reply",
+            service_epoch=COUNT,
+            quarantine=COUNT,
+            elsewhere_pages=PAGE_IDS,
+            elsewhere_generations=GENERATIONS,
+        ),
     ),
     EVENTS: MessageSchema(
         body(m.PublishEvents, EVENTS, worker_id=ID, epoch=COUNT, seq=COUNT, events=EVENT_LIST),

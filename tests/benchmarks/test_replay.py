@@ -301,6 +301,22 @@ def test_real_trace_head_prefix_beats_round_robin():
     assert roomy["hit_rate"] >= 0.97 * roomy["infinite_hit_rate"]
 
 
+def test_cluster_eviction_keeps_fewer_duplicates_on_the_real_trace():
+    """Workers that evict first what a peer stored since (the index's notices) hold fewer
+    copies of one page between them, and lose no hits for it."""
+    requests = load_trace(REAL_TRACE, limit=3000)
+    kw = dict(workers=4, pages_per_worker=600, routing="prefix")
+    cluster = replay(requests, **kw)
+    local = replay(requests, **kw, cluster_eviction=False)
+    assert cluster["cluster_eviction"] and not local["cluster_eviction"]
+    assert cluster["evicted_pages"] > 0
+    duplicates = {
+        f["cluster_eviction"]: f["index_holdings"] - f["index_pages"] for f in (cluster, local)
+    }
+    assert duplicates[True] * 4 < duplicates[False], duplicates
+    assert cluster["hit_rate"] >= local["hit_rate"]
+
+
 # ---------------------------------------------------------------------------- CLI
 
 

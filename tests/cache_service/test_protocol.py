@@ -206,7 +206,7 @@ SAMPLE_REQUESTS = {
 }
 SAMPLE_REPLIES = {
     "register": Registered(7, 3),
-    "heartbeat": EpochReply(7, 2),
+    "heartbeat": EpochReply(7, 2, (3, 9), (1, 2**40)),
     "events": ApplyResult(False, True, "seq 41 after 39", 39),
     "resync": ResyncReply(3),
     "match": MatchResult(
@@ -407,7 +407,7 @@ def test_encode_refuses_a_body_of_the_wrong_type(msg, message):
 
 
 def test_envelope_layout():
-    assert PROTOCOL_VERSION == 11  # 11: the front door of a ROUTE
+    assert PROTOCOL_VERSION == 12  # 12: the heartbeat's reply names pages held elsewhere
     assert msgpack.unpackb(encode(ok_reply(GOOD_MATCH, MatchResult(0, ())))) == {
         "v": PROTOCOL_VERSION,
         "t": OK,
@@ -722,7 +722,15 @@ REQUEST_BODIES = {
 }
 REPLY_BODIES = {
     "register": st.builds(Registered, service_epoch=counts, epoch=counts),
-    "heartbeat": st.builds(EpochReply, service_epoch=counts, quarantine=counts),
+    "heartbeat": st.integers(0, 6).flatmap(
+        lambda n: st.builds(
+            EpochReply,
+            service_epoch=counts,
+            quarantine=counts,
+            elsewhere_pages=st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n).map(tuple),
+            elsewhere_generations=st.lists(counts, min_size=n, max_size=n).map(tuple),
+        )
+    ),
     "events": st.builds(
         ApplyResult,
         applied=st.booleans(),
@@ -1278,6 +1286,22 @@ INVALID = {
         st.none(),
         wire_ints,
     ),
+    "page ids": st.one_of(
+        st.binary(max_size=9).filter(lambda b: len(b) % 4),
+        st.just(struct.pack("<2i", 3, -1)),  # a negative id
+        st.lists(wire_ints, min_size=1, max_size=2),
+        st.text(max_size=3),
+        st.none(),
+        wire_ints,
+    ),
+    "generations": st.one_of(
+        st.binary(max_size=17).filter(lambda b: len(b) % 8),
+        st.just(struct.pack("<q", -5)),
+        st.lists(wire_ints, min_size=1, max_size=2),
+        st.text(max_size=3),
+        st.none(),
+        wire_ints,
+    ),
     "ids": st.one_of(
         st.lists(st.sampled_from(["", LONG_NAME]), min_size=1, max_size=2),
         st.lists(wire_ints, min_size=1, max_size=2),
@@ -1689,7 +1713,8 @@ def test_limits_are_validated():
         (raw_frame(MATCH, {}, v=8), BAD_VERSION),  # the version before capacities and spot checks
         (raw_frame(MATCH, {}, v=9), BAD_VERSION),  # the version before page tiers
         (raw_frame(MATCH, {}, v=10), BAD_VERSION),  # the version before front doors in routes
-        (raw_frame(MATCH, {}, v=12), BAD_VERSION),
+        (raw_frame(MATCH, {}, v=11), BAD_VERSION),  # the version before held-elsewhere notices
+        (raw_frame(MATCH, {}, v=13), BAD_VERSION),
         (raw_frame(MATCH, {}, v=0), BAD_VERSION),
         (raw_frame(MATCH, {}, v=True), BAD_VERSION),
         (raw_frame(MATCH, {}, v=str(PROTOCOL_VERSION)), BAD_VERSION),

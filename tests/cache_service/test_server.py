@@ -84,6 +84,32 @@ def test_events_reach_the_index_and_match_names_holders(server):
     cache_b.check_integrity()
 
 
+def test_a_heartbeat_brings_back_the_pages_a_peer_stored_since(server):
+    """Cluster-aware eviction over the wire: b stores a's pages (as a copy in would), and
+    a's next heartbeat marks them in a's cache, which then evicts them before an older
+    page only a holds."""
+    cache_a, pub_a = _worker(server, "a", pages=4)
+    cache_b, pub_b = _worker(server, "b")
+    _serve(cache_a, list(range(100, 105)))  # page 0: only a's, and the older
+    _serve(cache_a, list(range(9)))  # pages 1, 2
+    _serve(cache_b, list(range(9)))
+    assert pub_a.sync() and pub_b.sync()
+    assert pub_a.heartbeat() and pub_b.heartbeat()
+    assert pub_a.held_elsewhere == 2 and pub_b.held_elsewhere == 0
+    assert cache_a.stats()["held_elsewhere_marked_pages"] == 2
+    assert pub_a.heartbeat() and pub_a.held_elsewhere == 2  # each notice comes once
+    _serve(cache_a, list(range(200, 209)))  # needs 3 pages: 1 free, 2 evicted
+    assert cache_a.stats()["held_elsewhere_evicted_pages"] == 2
+    assert cache_a.acquire(list(range(100, 105)), NS).cached_tokens == 4  # kept
+    assert pub_a.sync()
+    client = _client(server)
+    _, spans = client.match(NS, list(range(9)))
+    assert [s.worker_id for s in spans] == ["b"]  # the mesh still holds the prefix
+    assert server.stats()["superseded"]["issued"] == 2
+    cache_a.check_integrity()
+    cache_b.check_integrity()
+
+
 def test_evictions_leave_the_index(server):
     cache, pub = _worker(server, "a", pages=3)
     _serve(cache, list(range(9)))  # pages 0, 1 published; 2 private, freed

@@ -20,6 +20,9 @@ class PrefixCacheConfig:
     chunk_tokens: int = 0
     # Pages filled during decode become shareable (a follow-up turn reuses the answer).
     publish_decode_pages: bool = True
+    # Pages another worker has stored since this one did (the index says so with the
+    # heartbeat's reply) are evicted before pages only this worker holds.
+    cluster_eviction: bool = True
 
     def __post_init__(self) -> None:
         if self.page_tokens <= 0:

@@ -6,6 +6,13 @@ last page, with no children), so an unreferenced chain leaves tail first. Each e
 leaf has an entry in a heap keyed by the policy. Entries are deleted lazily: a run that
 is referenced again, trimmed or removed keeps its old entry, which is skipped when popped
 because its version is no longer the run's latest.
+
+Eviction knows the cluster: a page that another worker has stored since this one did (the
+index says so, `PrefixCache.held_elsewhere`) is *marked*, and marked leaves go before
+every unmarked one, by the policy among themselves: the mesh keeps the page if this
+worker lets it go, and keeps more distinct prefixes. A mark lasts until the page's run is
+accessed again (this worker uses its copy: it is not the one to spare) or the page
+leaves. Keys are (0 marked / 1 not, *the policy's key*).
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ from typing import NamedTuple
 from workers.cache.eviction import EvictionPolicy
 from workers.cache.runs import Run
 from workers.cache.trie import Trie
+
+# Marks of pages gone from the trie (dropped, cleared) are let go once they pass twice the
+# trie's pages plus this many.
+MARKS_SLACK = 1024
 
 
 class _PageView(NamedTuple):
@@ -45,13 +56,38 @@ class Evictor:
         self.heap: list[tuple[tuple[int, ...], int, Run]] = []
         self.num_evictable = 0  # ready pages with no references (all evictable, leaf first)
         self._versions = itertools.count(1)
+        # Marked pages: page id -> its run's last access when marked (the mark holds while
+        # the run's last access is still that).
+        self.marks: dict[int, int] = {}
+        self.marked_evicted = 0  # marked pages evicted
+
+    def key(self, run: Run) -> tuple[int, ...]:
+        """The heap key of `run` (its last page): marked first, then the policy's."""
+        return (0 if self._marked(run, run.pages[-1]) else 1, *self.policy.key(run))
+
+    def _marked(self, run: Run, page: int) -> bool:
+        marks = self.marks
+        return bool(marks) and marks.get(page, -1) == run.last_access
+
+    def mark(self, run: Run, page: int) -> bool:
+        """Mark `page` of published `run` (held elsewhere, see the module docstring);
+        re-ranks the run if it is an evictable leaf ending in it. Returns whether the
+        mark is new."""
+        if self._marked(run, page):
+            return False
+        if len(self.marks) >= MARKS_SLACK + 2 * self.trie.num_pages:
+            self.marks = {p: at for p, at in self.marks.items() if self.trie.run_of(p) is not None}
+        self.marks[page] = run.last_access
+        if run.pages[-1] == page and run.is_evictable_leaf():
+            self.push(run)
+        return True
 
     def push(self, run: Run) -> None:
         """Rank evictable leaf `run` by its current key (again, if its key changed)."""
         # Lazy deletion: an entry is valid only while its version is the run's latest.
         # (key, version) is unique per entry, so the heap never compares two runs.
         run.heap_version = next(self._versions)
-        heapq.heappush(self.heap, (self.policy.key(run), run.heap_version, run))
+        heapq.heappush(self.heap, (self.key(run), run.heap_version, run))
         if len(self.heap) > 2 * self.num_evictable + 1024:
             # In place: an eviction in progress holds this very list and must see what is
             # pushed while it runs (a new list would hide those leaves from it).
@@ -88,9 +124,9 @@ class Evictor:
             The pages taken, in eviction order; the caller frees them.
         """
         removed: list[int] = []
-        heap, trie = self.heap, self.trie
+        heap, trie, marks = self.heap, self.trie, self.marks
         while len(removed) < n and heap:
-            _, version, run = heapq.heappop(heap)
+            key, version, run = heapq.heappop(heap)
             if run.heap_version != version or not run.is_evictable_leaf():
                 continue
             # Leaf first, one page at a time, as long as the run's next page would be the
@@ -98,6 +134,11 @@ class Evictor:
             take = 1
             if self.whole_runs:
                 take = min(n - len(removed), len(run.pages))
+                if marks:  # only the pages marked as the last is (or not) rank alike
+                    same = 1
+                    while same < take and self._marked(run, run.pages[-1 - same]) == (key[0] == 0):
+                        same += 1
+                    take = same
             else:
                 while (
                     take < len(run.pages)
@@ -109,6 +150,10 @@ class Evictor:
             if on_take is not None:
                 on_take(run, cut)
             removed.extend(reversed(run.pages[cut:]))
+            if marks:
+                for page in run.pages[cut:]:
+                    if marks.pop(page, -1) == run.last_access:
+                        self.marked_evicted += 1
             self.num_evictable -= take
             if cut:
                 trie.trim(run, cut)
@@ -124,4 +169,4 @@ class Evictor:
         """The policy's key of the page that ends `run` once its last `take` pages went."""
         i = len(run.pages) - take - 1
         view = _PageView(run.first_id + i, run.last_access, run.hits, run.first_depth + i)
-        return self.policy.key(view)
+        return (0 if self._marked(run, run.pages[i]) else 1, *self.policy.key(view))

@@ -10,8 +10,7 @@ from collections.abc import Iterable
 
 from cache_service.tokens import TOKEN_BYTES
 from workers.cache.allocation import Allocation
-from workers.cache.eviction import EvictionPolicy
-from workers.cache.evictor import Evictor
+from workers.cache.evictor import MARKS_SLACK, Evictor
 from workers.cache.runs import Run
 from workers.cache.trie import Trie
 from workers.store.digests import EMPTY_DIGEST, next_digest, root_digest
@@ -78,13 +77,12 @@ def check_cache(
                     f"{indexed} children indexed by first token, {len(node.children)} held"
                 )
             for run in node.iter_children():
-                _check_run(
-                    node, run, trie.step, evictor.policy, expected_refs, published, valid_heap
-                )
+                _check_run(node, run, trie.step, evictor, expected_refs, published, valid_heap)
                 for page in run.pages:
                     assert page not in trie_pages and page not in private, (
                         f"page {page} is in two places"
                     )
+                    assert trie.run_of(page) is run, f"page {page} is not found in its run"
                     trie_pages.add(page)
                 nodes += len(run.pages)
                 if run.ref_count:
@@ -93,6 +91,7 @@ def check_cache(
                     cached += len(run.pages)
                 stack.append(run)
     assert nodes == trie.num_pages, f"{nodes} pages in the trie, counted {trie.num_pages}"
+    assert len(evictor.marks) <= MARKS_SLACK + 2 * nodes, f"{len(evictor.marks)} marks kept"
     assert cached == evictor.num_evictable, (
         f"{cached} unreferenced pages, counted {evictor.num_evictable}"
     )
@@ -113,7 +112,7 @@ def _check_run(
     node: Run,
     run: Run,
     step: int,
-    policy: EvictionPolicy,
+    evictor: Evictor,
     expected_refs: dict[int, int],
     published: dict[int, bytes],
     valid_heap: dict[int, tuple[int, ...]],
@@ -153,7 +152,7 @@ def _check_run(
         published.update(dict.fromkeys(run.pages, EMPTY_DIGEST))
     if run.is_evictable_leaf():
         assert id(run) in valid_heap, f"leaf {run.pages[-1]} not evictable"
-        assert valid_heap[id(run)] == policy.key(run), (
+        assert valid_heap[id(run)] == evictor.key(run), (
             f"leaf {run.pages[-1]} is ranked by a stale key"
         )
 

@@ -89,7 +89,9 @@ class PrefixCache:
         kv_format: str = getattr(allocator, "kv_format", "")
         self._set_digests = getattr(allocator, "set_digests", None)
         self._generations = generations_of(allocator)
-        self._trie = Trie(self.page_tokens, self.config.chunk_tokens, kv_format)
+        self._trie = Trie(
+            self.page_tokens, self.config.chunk_tokens, kv_format, allocator.num_pages
+        )
         self._step = self._trie.step  # bytes of one packed page
         self._evictor = Evictor(self._trie, make_eviction_policy(self.config.eviction_policy))
         self._lock = threading.RLock()
@@ -264,6 +266,8 @@ class PrefixCache:
             cached = self._evictor.num_evictable
             in_use = self._allocator.num_pages - self._allocator.num_free - cached
             out.update(
+                held_elsewhere_marked_pages=len(self._evictor.marks),
+                held_elsewhere_evicted_pages=self._evictor.marked_evicted,
                 free_pages=self._allocator.num_free,
                 cached_pages=cached,
                 in_use_pages=in_use,
@@ -271,6 +275,30 @@ class PrefixCache:
                 live_allocations=len(self._live),
             )
             return out
+
+    def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:
+        """Pages of this cache that another worker has stored since (the index's notices,
+        `GlobalIndex.held_elsewhere`): when eviction must make room they go before pages
+        only this worker holds, so that the mesh keeps more distinct prefixes. A page
+        rewritten since (its generation moved on) or no longer published here is skipped;
+        nothing changes with `cluster_eviction` off.
+
+        Returns:
+            How many pages were newly marked.
+        """
+        if not self.config.cluster_eviction or not pages:
+            return 0
+        total = self._allocator.num_pages
+        named = [(p, g) for p, g in zip(pages, generations, strict=True) if 0 <= p < total]
+        marked = 0
+        with self._lock:
+            current = self._generations([page for page, _ in named])
+            trie, evictor = self._trie, self._evictor
+            for (page, generation), now in zip(named, current, strict=True):
+                run = trie.run_of(page) if generation == now else None
+                if run is not None and run.ready:
+                    marked += evictor.mark(run, page)
+        return marked
 
     def pages_referenced(self) -> int:
         """Pages live allocations hold (referenced trie pages and private pages): what no

@@ -34,7 +34,7 @@ class Trie:
     Not thread-safe: the cache's lock guards it.
     """
 
-    def __init__(self, page_tokens: int, chunk_tokens: int, kv_format: str):
+    def __init__(self, page_tokens: int, chunk_tokens: int, kv_format: str, num_pages: int = 0):
         self.page_tokens = page_tokens
         self.chunk_tokens = chunk_tokens  # a match is rounded down to a multiple (0: off)
         self.step = page_tokens * TOKEN_BYTES  # bytes of one packed page
@@ -42,6 +42,12 @@ class Trie:
         self.roots: dict[Namespace, Run] = {}
         self.next_id = 0  # the id of the next page to enter the trie
         self.num_pages = 0  # pages in the trie
+        # Where each page id went last (`run_of`), by page id (grown as ids need): the run
+        # it entered in and its node id. A split moves a run's first pages into a new
+        # run above it and a trim or a removal takes pages off, so the entry is a hint
+        # that `run_of` follows up the parents and checks.
+        self._entered: list[Run | None] = [None] * num_pages
+        self._node_ids: list[int] = [0] * num_pages
 
     def root(self, namespace: Namespace) -> Run:
         """The root of `namespace`, made on first use."""
@@ -56,6 +62,14 @@ class Trie:
         """A pending run of `pages` (keyed `key`, first page `head`) under `parent`."""
         depth = parent.first_depth + len(parent.pages)
         run = Run(key, head, pages, parent, self.next_id, depth)
+        entered, node_ids = self._entered, self._node_ids
+        if pages and max(pages) >= len(entered):
+            grow = max(pages) + 1 - len(entered)
+            entered.extend([None] * grow)
+            node_ids.extend([0] * grow)
+        for node_id, page in enumerate(pages, self.next_id):
+            entered[page] = run
+            node_ids[page] = node_id
         self.next_id += len(pages)
         parent.add_child(run)
         self.num_pages += len(pages)
@@ -105,6 +119,20 @@ class Trie:
         self.num_pages -= len(run.pages)
         if parent.parent is None and not parent.children:
             del self.roots[parent.key]  # a root's key is its namespace
+
+    def run_of(self, page: int) -> Run | None:
+        """The run of the trie that holds page id `page`, or None when none does."""
+        if not 0 <= page < len(self._entered):
+            return None
+        run, node_id = self._entered[page], self._node_ids[page]
+        # A page's node id never changes; a split leaves the first pages' ids to the new
+        # run above, so an id below a run's first is further up.
+        while run is not None and run.parent is not None and node_id < run.first_id:
+            run = run.parent
+        if run is None or run.parent is None or not run.alive:
+            return None
+        i = node_id - run.first_id
+        return run if i < len(run.pages) and run.pages[i] == page else None
 
     def published_runs(self):
         """Every published run, in no particular order."""

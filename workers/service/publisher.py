@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from cache_service.messages import EMPTY_REPORT, WorkerReport
+from cache_service.messages import EMPTY_REPORT, EpochReply, WorkerReport
 from workers.cache.prefix_cache import PrefixCache
 from workers.service.client import ServiceClient, ServiceError, ServiceUnavailable
 
@@ -89,6 +89,7 @@ class EventPublisher:
         self.refused_code = ""  # the code of the last refusal, if any
         self.resyncs = 0
         self.batches = 0
+        self.held_elsewhere = 0  # pages marked held elsewhere, from the heartbeats' replies
         self._needs_sync = True  # nothing registered yet
         self.up = False  # the last heartbeat got an answer
         self._lock = threading.Lock()
@@ -136,6 +137,8 @@ class EventPublisher:
             try:
                 reply = self.client.heartbeat(self.worker_id, self.epoch, load, report)
                 epoch, self.quarantine_version = reply.service_epoch, reply.quarantine
+                if reply.elsewhere_pages:
+                    self._held_elsewhere(reply)
             except ServiceUnavailable:
                 self._needs_sync = True
                 self.up = False
@@ -149,6 +152,21 @@ class EventPublisher:
                 self._needs_sync = True
         self.up = self.sync()
         return self.up
+
+    def _held_elsewhere(self, reply: EpochReply) -> None:
+        """Mark the pages the service says another worker has stored since (they go
+        first when the cache must make room); a reply whose lists disagree is dropped."""
+        pages, generations = reply.elsewhere_pages, reply.elsewhere_generations
+        if len(pages) != len(generations):
+            log.warning(
+                "worker %s: heartbeat reply names %d pages held elsewhere and %d "
+                "generations; ignored",
+                self.worker_id,
+                len(pages),
+                len(generations),
+            )
+            return
+        self.held_elsewhere += self.cache.held_elsewhere(pages, generations)
 
     def start(self, interval_s: float = 0.5, tick: Callable[[], None] | None = None) -> None:
         """Sync and heartbeat every `interval_s` from a daemon thread; `tick` (the worker's

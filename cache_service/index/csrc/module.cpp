@@ -669,6 +669,8 @@ PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   Py_buffer data;
   if (PyObject_GetBuffer(args[3], &data, PyBUF_SIMPLE) != 0) return nullptr;
   kvmesh::Tally tally;
+  std::vector<kvmesh::Holding> others;
+  tally.others = &others;
   bool placed = false;
   bool done = guarded([&] {
     placed = self->trie->store(*map, slot, parent, static_cast<const char*>(data.buf),
@@ -677,7 +679,31 @@ PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   });
   PyBuffer_Release(&data);
   if (!done) return nullptr;
-  return written(self, PyBool_FromLong(placed), tally);
+  PyObject* result = written(self, PyBool_FromLong(placed), tally);
+  if (result == nullptr) return nullptr;
+  PyObject* held = PyTuple_New(static_cast<Py_ssize_t>(others.size()));
+  for (std::size_t i = 0; held != nullptr && i < others.size(); ++i) {
+    const kvmesh::Holding& h = others[i];
+    PyObject* item = Py_BuildValue("(iiLi)", static_cast<int>(h.slot), static_cast<int>(h.page),
+                                   static_cast<long long>(h.generation),
+                                   static_cast<int>(h.tier));
+    if (item == nullptr) {
+      Py_CLEAR(held);
+      break;
+    }
+    PyTuple_SET_ITEM(held, static_cast<Py_ssize_t>(i), item);
+  }
+  if (held == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  // (placed, tier_delta, removed, demoted, unknown, others)
+  PyObject* out = PyTuple_Pack(6, PyTuple_GET_ITEM(result, 0), PyTuple_GET_ITEM(result, 1),
+                               PyTuple_GET_ITEM(result, 2), PyTuple_GET_ITEM(result, 3),
+                               PyTuple_GET_ITEM(result, 4), held);
+  Py_DECREF(result);
+  Py_DECREF(held);
+  return out;
 }
 
 PyObject* trie_demote(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
@@ -992,8 +1018,10 @@ PyMethodDef trie_methods[] = {
      "once. clock: the matched pages' last access (None: unchanged)."},
     {"store", FASTCALL(trie_store),
      "store(pages, slot, parent, data, page_ids, generations, tier, clock) -> (placed, "
-     "tier_delta, removed, demoted, unknown): hang a chain below node `parent`; placed "
-     "False: a page id of the chain names a node on its own path."},
+     "tier_delta, removed, demoted, unknown, others): hang a chain below node `parent`; "
+     "placed False: a page id of the chain names a node on its own path. others: the "
+     "(slot, page, generation, tier) of every other holder of a node the worker newly "
+     "holds."},
     {"demote", FASTCALL(trie_demote),
      "demote(pages, slot, page_ids, new_page_ids, generations, tier) -> (moved, ...): "
      "move holdings in place; moved False: a new id names an ancestor."},

@@ -148,6 +148,9 @@ struct Tally {
   int64_t removed[kMaxTiers] = {};     // holdings removed by the event's reason, by tier
   int64_t demoted = 0;                 // holdings moved by a demotion
   int64_t unknown = 0;                 // page ids named that the worker did not hold
+  // When set, a store adds here the other holders' holdings of every node the worker
+  // newly holds (it holds the newest copy of those pages).
+  std::vector<Holding>* others = nullptr;
 };
 
 class Trie {
@@ -249,7 +252,10 @@ class Trie {
         node = walker_.child(parent, key, tokens);
       }
       if (node == kNone) node = new_node(parent, key, tokens);
+      int16_t holders = c_.count[node];
       column = hold(map, slot, node, pages[i], generations[i], tier, column, tally);
+      if (tally.others != nullptr && holders > 0 && c_.count[node] > holders)
+        other_holdings(node, slot, *tally.others);
       c_.last_access[node] = clock;
       parent = node;
     }
@@ -551,6 +557,20 @@ class Trie {
     ++tally.tier_delta[tier];
     map.set(page, node);
     return column;
+  }
+
+  // Every holding of `node` but `slot`'s, appended to `out`.
+  void other_holdings(int64_t node, int slot, std::vector<Holding>& out) const {
+    for (int column = 0; column < kInline; ++column) {
+      std::size_t at = static_cast<std::size_t>(node) * kInline + column;
+      int16_t holder = c_.slot[at];
+      if (holder != -1 && holder != slot)
+        out.push_back(Holding{holder, c_.page[at], c_.generation[at], c_.tier[at]});
+    }
+    auto found = extra_.find(static_cast<int32_t>(node));
+    if (found != extra_.end())
+      for (const Holding& holding : found->second)
+        if (holding.slot != slot) out.push_back(holding);
   }
 
   // Take the worker's holding off `node`; `removed` (may be null) counts it by tier.

@@ -145,3 +145,84 @@ def test_leaves_ranked_while_the_heap_is_compacted_are_still_evicted():
     for allocation in held:
         allocation.release()
     cache.check_integrity()
+
+
+# ---- cluster-aware: pages held elsewhere go first ----------------------------------------
+
+
+def _mark(cache, pool, pages) -> int:
+    return cache.held_elsewhere(list(pages), [pool.generation(page) for page in pages])
+
+
+def _evict_for(cache, pages: int) -> list[int]:
+    """The pages evicted to make room for a new request of `pages` full pages."""
+    cache.take_events()
+    newcomer = cache.acquire(make_tokens((50_000, pages * PAGE)), NS)
+    assert newcomer is not None
+    removed = [page for event in cache.take_events() for page in event.page_ids]
+    newcomer.release()
+    return removed
+
+
+def test_pages_held_elsewhere_go_before_older_pages_only_this_worker_holds():
+    cache, pool = make_cache(num_pages=10)
+    _one_page_sequences(cache, pool, count=10, keep=0)  # LRU order: pages 0..9
+    assert _mark(cache, pool, [7, 5]) == 2
+    assert _mark(cache, pool, [5]) == 0  # marked already
+    assert cache.stats()["held_elsewhere_marked_pages"] == 2
+    assert _evict_for(cache, 3) == [5, 7, 0]  # the marked ones by LRU, then LRU
+    stats = cache.stats()
+    assert stats["held_elsewhere_evicted_pages"] == 2 and stats["held_elsewhere_marked_pages"] == 0
+    cache.check_integrity()
+
+
+def test_a_mark_lapses_once_the_worker_uses_its_copy_again():
+    cache, pool = make_cache(num_pages=10)
+    _one_page_sequences(cache, pool, count=10, keep=0)
+    _mark(cache, pool, [5])
+    again = cache.acquire(make_tokens((500, PAGE), (9_000, 1)), NS)  # evicts page 0
+    assert again.cached_tokens == PAGE
+    again.release()  # its partial page is free again
+    assert _evict_for(cache, 2) == [1]  # marked still, 5 would have gone
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("case", ["generation", "out of range", "not published", "off"])
+def test_a_notice_that_does_not_fit_changes_nothing(case):
+    cache, pool = make_cache(num_pages=10, cluster_eviction=case != "off")
+    _one_page_sequences(cache, pool, count=9, keep=0)  # pages 0..8; 9 free
+    pages, generations = [4], [pool.generation(4)]
+    if case == "generation":
+        generations = [generations[0] + 1]
+    elif case == "out of range":
+        pages = [10]
+    elif case == "not published":
+        pages, generations = [9], [pool.generation(9)]
+    assert cache.held_elsewhere(pages, generations) == 0
+    assert _evict_for(cache, 2) == [0]  # one free page, then LRU
+    cache.check_integrity()
+
+
+def test_only_the_marked_pages_of_a_run_go_ahead_of_older_pages():
+    cache, pool = make_cache(num_pages=6)
+    run_request(cache, pool, make_tokens((0, PAGE)))  # page 0: the oldest
+    long = run_request(cache, pool, make_tokens((100, 4 * PAGE)))  # pages 1-4, one run
+    assert long.pages == [1, 2, 3, 4]
+    _mark(cache, pool, [3, 4])
+    # Page by page: 4 and 3 (marked), then the oldest unmarked page, 0, not 2.
+    assert _evict_for(cache, 4) == [4, 3, 0]
+    assert cache.match_length(make_tokens((100, 4 * PAGE)), NS) == 2 * PAGE
+    cache.check_integrity()
+
+
+def test_marks_follow_pages_into_the_runs_a_split_makes():
+    cache, pool = make_cache(num_pages=8)
+    run_request(cache, pool, make_tokens((5_000, PAGE)))  # page 0: the oldest
+    run_request(cache, pool, make_tokens((100, 4 * PAGE)))  # pages 1-4, one run
+    assert _mark(cache, pool, [3, 4]) == 2
+    # A prompt sharing pages 1-2 splits the run there; 3-4 keep their access, and marks.
+    run_request(cache, pool, make_tokens((100, 2 * PAGE), (7_000, PAGE)))  # page 5
+    assert _mark(cache, pool, [1]) == 1  # found in the run the split made above
+    cache.check_integrity()  # every page found in its run by id
+    assert _evict_for(cache, 5) == [4, 3, 0]  # two pages free, then 4, 3 before 0
+    cache.check_integrity()

@@ -213,6 +213,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache.evict(n)
         self.apply_events()
 
+    @rule(pages=st.lists(st.integers(0, 13), max_size=4), stale=st.booleans())
+    def held_elsewhere(self, pages, stale):
+        """The index's notices (cluster-aware eviction): any page ids, current or stale
+        generations; only the ranking of evictions may change."""
+        generations = [self.pool.generation(page) + stale if page < 12 else 0 for page in pages]
+        self.cache.held_elsewhere(pages, generations)
+
     # -------------------------------------------------------------- invariants
 
     @invariant()

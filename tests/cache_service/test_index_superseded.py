@@ -1,0 +1,77 @@
+"""The index's notices for cluster-aware eviction: a worker that stores a page others hold
+already has the newest copy, and the others hear of it (`GlobalIndex.held_elsewhere`)."""
+
+from __future__ import annotations
+
+from cache_service.events import PagesDemoted, PagesRemoved
+from cache_service.index import GlobalIndex
+from tests.cache_service.test_index import make_index
+from tests.cache_service.test_index_tiers import apply_ok, stored
+
+
+def notices(index: GlobalIndex, worker: str, limit: int = 1024) -> tuple[list, list]:
+    return index.held_elsewhere(worker, index.worker_info(worker).epoch, limit)
+
+
+def test_the_older_holders_hear_of_a_newer_copy_once():
+    index = make_index("a", "b", "c")
+    apply_ok(index, "a", stored((0, 1, 2), (1, 2, 3), generations=(5, 6, 7)))
+    apply_ok(index, "b", stored((10, 11), (1, 2)))  # the first two pages again
+    assert notices(index, "a") == ([0, 1], [5, 6])
+    assert notices(index, "a") == ([], [])  # taken once
+    assert notices(index, "b") == ([], [])  # the newest holder supersedes no one
+    apply_ok(index, "c", stored((20,), (1,)))
+    assert notices(index, "a") == ([0], [5])
+    assert notices(index, "b") == ([10], [0])
+    assert index.stats()["superseded"] == {"issued": 4, "overflowed": 0}
+    index.check_integrity()
+
+
+def test_a_notice_goes_stale_when_its_page_left_or_changed():
+    index = make_index("a", "b")
+    apply_ok(index, "a", stored((0, 1, 2), (1, 2, 3), generations=(5, 6, 7)))
+    apply_ok(index, "b", stored((10, 11, 12), (1, 2, 3)))
+    apply_ok(index, "a", PagesRemoved((2,), "evicted"))  # page 2 gone
+    apply_ok(index, "a", stored((1,), (2,), parent=0, generations=(9,)))  # page 1 rewritten
+    assert notices(index, "a") == ([0], [5])
+    index.check_integrity()
+
+
+def test_no_notice_once_the_newer_copy_is_gone_or_for_a_disk_copy():
+    index = make_index("a", "b")
+    apply_ok(index, "a", stored((0, 1), (1, 2), generations=(5, 6)))
+    apply_ok(index, "b", stored((10, 11), (1, 2)))
+    apply_ok(index, "b", PagesRemoved((10,), "evicted"))  # b holds neither now
+    assert notices(index, "a") == ([], [])
+    # a's copy on disk: what host memory makes room from is not it.
+    apply_ok(index, "a", PagesDemoted((0, 1), (100, 101), (7, 8), "disk"))
+    apply_ok(index, "b", stored((10, 11), (1, 2)))
+    assert notices(index, "a") == ([], [])
+    index.check_integrity()
+
+
+def test_a_resync_or_a_moved_holding_supersedes_no_one():
+    index = make_index("a", "b")
+    apply_ok(index, "a", stored((0, 1), (1, 2)))
+    info = index.worker_info("b")
+    index.resync("b", info.epoch, 1, [stored((10, 11), (1, 2))])
+    assert notices(index, "a") == ([], [])
+    # b names the same pages under new ids (a load back from disk): not a new copy.
+    apply_ok(index, "b", stored((12, 13), (1, 2)))
+    assert notices(index, "a") == ([], [])
+    index.check_integrity()
+
+
+def test_notices_wait_in_bounds_and_come_a_limit_at_a_time():
+    index = make_index("a", "b")
+    pages = tuple(range(1, 41))
+    apply_ok(index, "a", stored(tuple(range(40)), pages))
+    index._superseded.limit = 30  # the oldest ten are dropped unread
+    apply_ok(index, "b", stored(tuple(range(100, 140)), pages))
+    first = notices(index, "a", limit=25)
+    rest = notices(index, "a")
+    assert first[0] == list(range(10, 35)) and rest[0] == list(range(35, 40))
+    assert index.stats()["superseded"] == {"issued": 40, "overflowed": 10}
+    # Another epoch of the worker gets nothing.
+    assert index.held_elsewhere("a", index.worker_info("a").epoch + 1) == ([], [])
+    index.check_integrity()
