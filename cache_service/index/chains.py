@@ -17,7 +17,8 @@ same way, so a prefix never loses its holder between tiers:
 
 A worker that newly holds a node others hold already has the newest copy of that page (it
 copied it in, or computed it again): the others' copies of it are what a cluster can best
-spare, and the index tells them so (`Superseded`, read back with their heartbeats).
+spare. A store from the worker's events (not a resync) leaves each of them a notice in the
+compiled trie, which `GlobalIndex.held_elsewhere` hands out with their heartbeats.
 """
 
 from __future__ import annotations
@@ -44,31 +45,6 @@ TIER_INDEX = {name: index for index, name in enumerate(TIERS)}
 _DISK = TIER_INDEX["disk"]
 
 
-class Superseded:
-    """Per worker, the pages of its that another worker has since stored too: the notices
-    its next heartbeat takes (`GlobalIndex.held_elsewhere`), at most `limit` waiting a
-    worker (the oldest go first)."""
-
-    def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self.issued = 0  # notices made (the stats' "superseded_pages")
-        self.overflowed = 0  # notices dropped unread because `limit` were waiting
-
-    def add(self, slots: Sequence[Worker | None], others: Sequence[tuple]) -> None:
-        """Queue a notice for each (slot, page, generation, tier) of `others` held in
-        memory (a disk copy is not what host memory makes room from)."""
-        for slot, page, generation, tier in others:
-            worker = slots[slot]
-            if worker is None or tier == _DISK:
-                continue
-            waiting = worker.superseded
-            if len(waiting) >= self.limit:
-                waiting.popleft()
-                self.overflowed += 1
-            waiting.append((page, generation))
-            self.issued += 1
-
-
 class Chains:
     """Stores, moves and drops holdings (in the compiled trie, over the node and holder
     columns), and counts what the events did: pages removed by (tier index, reason),
@@ -88,10 +64,10 @@ class Chains:
         events: Sequence[KvEvent],
         packed: Sequence[bytes | None],
         clock: int,
-        others: list | None = None,
+        notify: bool = False,
     ) -> str | None:
         """Apply checked events (`packed`: what `check_event` returned for each) in order;
-        `others` collects the other holders of the pages it newly holds (see `store`).
+        `notify`: stored chains leave notices (see `store`).
 
         Returns:
             None, or why a stored chain cannot be placed (see `store`); the events before
@@ -99,7 +75,7 @@ class Chains:
         """
         for event, data in zip(events, packed, strict=True):
             if isinstance(event, PagesStored):
-                failure = self.store(worker, event, data, clock, others)
+                failure = self.store(worker, event, data, clock, notify)
                 if failure is not None:
                     return failure
             elif isinstance(event, PagesRemoved):
@@ -122,14 +98,14 @@ class Chains:
         event: PagesStored,
         data: bytes,
         clock: int,
-        others: list | None = None,
+        notify: bool = False,
     ) -> str | None:
         """Hang a checked chain (packed tokens `data`) below the worker's parent page.
 
         A page on a node the worker holds already (in another tier, or under another
-        id) moves that holding to the chain's page id, generation and tier. `others`
-        (when given) collects (slot, page, generation, tier) of every other holder of a
-        node the worker did not hold before.
+        id) moves that holding to the chain's page id, generation and tier. With
+        `notify`, every other holder of a node the worker did not hold before gets a
+        notice, but those holding it on disk (host memory does not make room from there).
 
         Returns:
             None, or why it cannot be placed: "unknown_parent" (the worker holds no such
@@ -149,7 +125,7 @@ class Chains:
             if parent is None:
                 return "unknown_parent"
         nodes.reserve(len(event.page_ids))
-        written = self._trie.store(
+        args = (
             worker.pages,
             worker.slot,
             parent,
@@ -159,9 +135,8 @@ class Chains:
             TIER_INDEX[event.tier],
             clock,
         )
+        written = self._trie.store(*args, _DISK) if notify else self._trie.store(*args)
         self._settle(worker, written)
-        if others is not None and written[5]:
-            others.extend(written[5])
         return None if written[0] else "page_conflict"
 
     def demote(self, worker: Worker, event: PagesDemoted) -> str | None:
@@ -195,7 +170,7 @@ class Chains:
     def _settle(self, worker: Worker, written: tuple, reason: str | None = None) -> None:
         """Take in what a compiled write did: the worker's pages per tier, the removals
         counted under `reason`, the ids it did not hold; free the roots it emptied."""
-        _, tier_delta, removed, _, unknown = written[:5]
+        _, tier_delta, removed, _, unknown = written
         held = zip(worker.tier_pages, tier_delta, strict=True)
         worker.tier_pages = [pages + delta for pages, delta in held]
         self.unknown_pages += unknown

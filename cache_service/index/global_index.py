@@ -15,7 +15,7 @@ from typing import Any
 
 from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.index.batches import BatchOrder
-from cache_service.index.chains import Chains, Superseded, check_event, check_snapshot
+from cache_service.index.chains import Chains, check_event, check_snapshot
 from cache_service.index.holders import Holders, host_pages, match_spans
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
@@ -74,6 +74,7 @@ class GlobalIndex(ThreadOwned):
         max_spans: holders a match names at most (the longest).
         max_capacity: the most pages a worker may register as its capacity (its claims
             are bounded by that capacity).
+        max_notices: notices that wait for one worker at most (`held_elsewhere`).
 
     Raises:
         ValueError: a non-positive page_tokens, timeout or bound, or a negative load_weight.
@@ -88,6 +89,7 @@ class GlobalIndex(ThreadOwned):
         max_tenants: int = 256,
         max_spans: int = 16,
         max_capacity: int = 1 << 20,
+        max_notices: int = 4096,
     ):
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
@@ -97,6 +99,8 @@ class GlobalIndex(ThreadOwned):
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         if max_spans < 1:
             raise ValueError(f"max_spans must be positive, got {max_spans}")
+        if max_notices < 0:
+            raise ValueError(f"max_notices must be >= 0, got {max_notices}")
         self.page_tokens = page_tokens
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
@@ -108,8 +112,8 @@ class GlobalIndex(ThreadOwned):
         self._nodes = Nodes(page_tokens, self._keys, self._holders)
         self._nodes.grow(64)
         self._chains = Chains(self._nodes)
-        self._superseded = Superseded()
         self._trie = self._nodes.trie
+        self._trie.notice_limit = max_notices
         self._registry = Registry(max_workers, max_capacity)
         self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match
@@ -298,10 +302,7 @@ class GlobalIndex(ThreadOwned):
         assert worker is not None
         packed = [check_event(event, self.page_tokens) for event in events]
         self._clock += 1
-        others: list = []
-        failure = self._chains.apply(worker, events, packed, self._clock, others)
-        if others:
-            self._superseded.add(self._registry.slots, others)
+        failure = self._chains.apply(worker, events, packed, self._clock, notify=True)
         if failure is not None:
             return self._batches.desync(worker, failure)
         return self._batches.applied(worker, seq)
@@ -313,10 +314,11 @@ class GlobalIndex(ThreadOwned):
         the cluster keeps them if this worker lets them go, so its cache evicts them
         before pages only it holds (`workers.cache.evictor`).
 
-        Each notice is taken once, and checked before it goes out: the worker still holds
-        that page id at that generation, and someone else holds the page too. A worker
-        that stores a page it already held elsewhere (a resync, a load back from disk)
-        supersedes no one.
+        Notices wait in the compiled trie, at most `notice_limit` a worker (the oldest
+        go first). Each is taken once, and checked before it goes out: the worker still
+        holds that page id at that generation, and someone else holds the page too. A
+        worker that stores a page it already held (in another tier, under another id) or
+        that resyncs supersedes no one.
 
         Args:
             worker_id, epoch: the worker, as registered (another epoch: nothing).
@@ -326,26 +328,13 @@ class GlobalIndex(ThreadOwned):
             (page ids, generations), in the order the copies were stored.
         """
         self._own()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
         worker = self._registry.get(worker_id)
-        if worker is None or worker.epoch != epoch or not worker.superseded:
+        if worker is None or worker.epoch != epoch:
             return [], []
-        waiting, pages, holders = worker.superseded, worker.pages, self._holders
-        counts, slot = holders.count, worker.slot
-        page_ids: list[int] = []
-        generations: list[int] = []
-        seen: set[int] = set()
-        while waiting and len(page_ids) < limit:
-            page, generation = waiting.popleft()
-            node = pages.get(page)
-            if node is None or page in seen or counts[node] < 2:
-                continue
-            held = holders.holding(node, slot)
-            if held is None or held[0] != page or held[1] != generation:
-                continue
-            seen.add(page)
-            page_ids.append(page)
-            generations.append(generation)
-        return page_ids, generations
+        pages, generations = self._trie.take_notices(worker.pages, worker.slot, limit)
+        return list(pages), list(generations)
 
     def resync(
         self, worker_id: str, epoch: int, seq: int, chains: Sequence[PagesStored]
@@ -518,10 +507,8 @@ class GlobalIndex(ThreadOwned):
         self._own()
         parts = self._nodes, self._registry, self._tallies, self._batches.counts, self._chains
         stats = index_stats(self.page_tokens, *parts)
-        stats["superseded"] = {
-            "issued": self._superseded.issued,
-            "overflowed": self._superseded.overflowed,
-        }
+        issued, overflowed = self._trie.notices
+        stats["superseded"] = {"issued": issued, "overflowed": overflowed}
         return stats
 
     def check_integrity(self) -> None:
@@ -529,9 +516,11 @@ class GlobalIndex(ThreadOwned):
         self._own()
         check_integrity(self._nodes, self._holders, self._registry)
         self._registry.check()
-        for worker in self._registry.workers.values():
-            waiting = len(worker.superseded)
-            assert waiting <= self._superseded.limit, f"{worker.worker_id}: {waiting} notices"
+        limit = self._trie.notice_limit
+        for slot, worker in enumerate(self._registry.slots):
+            waiting = self._trie.notices_waiting(slot)
+            assert waiting <= limit, f"slot {slot}: {waiting} notices wait, over {limit}"
+            assert worker is not None or not waiting, f"free slot {slot} has {waiting} notices"
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
 
 

@@ -14,7 +14,6 @@ tier, so a match knows without a look when all of them are in one.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -81,7 +80,6 @@ class Worker:
         "tier_pages",
         "peer",
         "capacity",
-        "superseded",
     )
 
     def __init__(
@@ -108,8 +106,6 @@ class Worker:
         self.tier_pages = [0] * len(TIERS)  # pages it holds in each tier, by tier index
         self.peer = peer  # how peers read its pages, as this incarnation registered
         self.capacity = capacity  # the most pages it may hold at once
-        # (page, generation) of its pages another worker stored since (`chains.Superseded`)
-        self.superseded: deque[tuple[int, int]] = deque()
 
     def room_for(self, page_ids: Sequence[int]) -> bool:
         """Whether storing `page_ids` keeps the worker within its capacity, counting the

@@ -63,10 +63,9 @@ def test_a_resync_or_a_moved_holding_supersedes_no_one():
 
 
 def test_notices_wait_in_bounds_and_come_a_limit_at_a_time():
-    index = make_index("a", "b")
+    index = make_index("a", "b", max_notices=30)  # the oldest ten are dropped unread
     pages = tuple(range(1, 41))
     apply_ok(index, "a", stored(tuple(range(40)), pages))
-    index._superseded.limit = 30  # the oldest ten are dropped unread
     apply_ok(index, "b", stored(tuple(range(100, 140)), pages))
     first = notices(index, "a", limit=25)
     rest = notices(index, "a")
@@ -74,4 +73,16 @@ def test_notices_wait_in_bounds_and_come_a_limit_at_a_time():
     assert index.stats()["superseded"] == {"issued": 40, "overflowed": 10}
     # Another epoch of the worker gets nothing.
     assert index.held_elsewhere("a", index.worker_info("a").epoch + 1) == ([], [])
+    index.check_integrity()
+
+
+def test_a_worker_that_leaves_takes_its_notices_along():
+    index = make_index("a", "b")
+    apply_ok(index, "a", stored((0, 1), (1, 2)))
+    apply_ok(index, "b", stored((10, 11), (1, 2)))
+    index.remove_worker("a", "dead")
+    index.register("a", node_id="node0")  # a new incarnation, maybe in the same slot
+    apply_ok(index, "a", stored((0, 1), (1, 2)))  # the same page ids again
+    assert notices(index, "a") == ([], [])
+    assert notices(index, "b") == ([10, 11], [0, 0])
     index.check_integrity()

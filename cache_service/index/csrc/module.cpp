@@ -651,59 +651,37 @@ bool map_and_slot(TrieObject* self, PyObject* const* args, kvmesh::PageMap** map
 
 PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<TrieObject*>(object);
-  if (nargs != 8)
+  if (nargs != 8 && nargs != 9)
     return PyErr_Format(PyExc_TypeError, "store(pages, slot, parent, data, page_ids, "
-                        "generations, tier, clock) takes 8 arguments, got %zd", nargs);
+                        "generations, tier, clock[, quiet_tier]) takes 8 or 9 arguments, "
+                        "got %zd", nargs);
   kvmesh::PageMap* map;
-  int slot, tier;
+  int slot, tier, quiet_tier = -1;
   int64_t parent, clock;
   std::vector<int64_t> pages, generations;
   if (!map_and_slot(self, args, &map, &slot) || !as_key(args[2], &parent) ||
       !int64s(args[4], pages, "page ids must be a sequence") ||
       !int64s(args[5], generations, "generations must be a sequence") ||
-      !as_int(args[6], &tier, "tier") || !as_key(args[7], &clock))
+      !as_int(args[6], &tier, "tier") || !as_key(args[7], &clock) ||
+      (nargs == 9 && !as_int(args[8], &quiet_tier, "quiet tier")))
     return nullptr;
+  bool notify = nargs == 9;
   if (generations.size() != pages.size())
     return PyErr_Format(PyExc_ValueError, "%zu generations for %zu pages", generations.size(),
                         pages.size());
   Py_buffer data;
   if (PyObject_GetBuffer(args[3], &data, PyBUF_SIMPLE) != 0) return nullptr;
   kvmesh::Tally tally;
-  std::vector<kvmesh::Holding> others;
-  tally.others = &others;
   bool placed = false;
   bool done = guarded([&] {
     placed = self->trie->store(*map, slot, parent, static_cast<const char*>(data.buf),
                                static_cast<std::size_t>(data.len), pages.data(),
-                               generations.data(), pages.size(), tier, clock, tally);
+                               generations.data(), pages.size(), tier, clock, tally, notify,
+                               quiet_tier);
   });
   PyBuffer_Release(&data);
   if (!done) return nullptr;
-  PyObject* result = written(self, PyBool_FromLong(placed), tally);
-  if (result == nullptr) return nullptr;
-  PyObject* held = PyTuple_New(static_cast<Py_ssize_t>(others.size()));
-  for (std::size_t i = 0; held != nullptr && i < others.size(); ++i) {
-    const kvmesh::Holding& h = others[i];
-    PyObject* item = Py_BuildValue("(iiLi)", static_cast<int>(h.slot), static_cast<int>(h.page),
-                                   static_cast<long long>(h.generation),
-                                   static_cast<int>(h.tier));
-    if (item == nullptr) {
-      Py_CLEAR(held);
-      break;
-    }
-    PyTuple_SET_ITEM(held, static_cast<Py_ssize_t>(i), item);
-  }
-  if (held == nullptr) {
-    Py_DECREF(result);
-    return nullptr;
-  }
-  // (placed, tier_delta, removed, demoted, unknown, others)
-  PyObject* out = PyTuple_Pack(6, PyTuple_GET_ITEM(result, 0), PyTuple_GET_ITEM(result, 1),
-                               PyTuple_GET_ITEM(result, 2), PyTuple_GET_ITEM(result, 3),
-                               PyTuple_GET_ITEM(result, 4), held);
-  Py_DECREF(result);
-  Py_DECREF(held);
-  return out;
+  return written(self, PyBool_FromLong(placed), tally);
 }
 
 PyObject* trie_demote(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
@@ -787,6 +765,71 @@ PyObject* trie_drop_all(PyObject* object, PyObject* const* args, Py_ssize_t narg
       }))
     return nullptr;
   return written(self, PyLong_FromSize_t(dropped), tally);
+}
+
+PyObject* int64_tuple(const std::vector<int64_t>& values);
+
+PyObject* trie_take_notices(PyObject* object, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  if (nargs != 3)
+    return PyErr_Format(PyExc_TypeError, "take_notices(pages, slot, limit) takes 3 arguments");
+  kvmesh::PageMap* map;
+  int slot;
+  int64_t limit;
+  if (!map_and_slot(self, args, &map, &slot) || !as_key(args[2], &limit)) return nullptr;
+  if (limit < 0) return PyErr_Format(PyExc_ValueError, "limit must be >= 0");
+  std::vector<int64_t> pages, generations;
+  if (!guarded([&] {
+        self->trie->take_notices(*map, slot, static_cast<std::size_t>(limit), pages,
+                                 generations);
+      }))
+    return nullptr;
+  PyObject* page_ids = int64_tuple(pages);
+  PyObject* gens = page_ids ? int64_tuple(generations) : nullptr;
+  if (gens == nullptr) {
+    Py_XDECREF(page_ids);
+    return nullptr;
+  }
+  return Py_BuildValue("(NN)", page_ids, gens);
+}
+
+PyObject* trie_clear_notices(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  int slot;
+  if (!as_int(arg, &slot, "slot")) return nullptr;
+  self->trie->clear_notices(slot);
+  Py_RETURN_NONE;
+}
+
+PyObject* trie_notices_waiting(PyObject* object, PyObject* arg) {
+  auto* self = reinterpret_cast<TrieObject*>(object);
+  int slot;
+  if (!as_int(arg, &slot, "slot")) return nullptr;
+  return PyLong_FromSize_t(self->trie->notices_waiting(slot));
+}
+
+PyObject* trie_notices(PyObject* object, void*) {
+  auto* trie = reinterpret_cast<TrieObject*>(object)->trie;
+  return Py_BuildValue("(LL)", static_cast<long long>(trie->notices_issued()),
+                       static_cast<long long>(trie->notices_overflowed()));
+}
+
+PyObject* trie_get_notice_limit(PyObject* object, void*) {
+  return PyLong_FromSize_t(reinterpret_cast<TrieObject*>(object)->trie->notice_limit());
+}
+
+int trie_set_notice_limit(PyObject* object, PyObject* value, void*) {
+  int64_t limit;
+  if (value == nullptr || !as_key(value, &limit)) {
+    if (value == nullptr) PyErr_SetString(PyExc_TypeError, "notice_limit cannot be deleted");
+    return -1;
+  }
+  if (limit < 0) {
+    PyErr_SetString(PyExc_ValueError, "notice_limit must be >= 0");
+    return -1;
+  }
+  reinterpret_cast<TrieObject*>(object)->trie->set_notice_limit(static_cast<std::size_t>(limit));
+  return 0;
 }
 
 PyObject* trie_new_root(PyObject* object, PyObject* arg) {
@@ -1017,11 +1060,18 @@ PyMethodDef trie_methods[] = {
      "`tier`. Past max_runs runs of consecutive nodes the rest is looked up by keys at "
      "once. clock: the matched pages' last access (None: unchanged)."},
     {"store", FASTCALL(trie_store),
-     "store(pages, slot, parent, data, page_ids, generations, tier, clock) -> (placed, "
-     "tier_delta, removed, demoted, unknown, others): hang a chain below node `parent`; "
-     "placed False: a page id of the chain names a node on its own path. others: the "
-     "(slot, page, generation, tier) of every other holder of a node the worker newly "
-     "holds."},
+     "store(pages, slot, parent, data, page_ids, generations, tier, clock[, quiet_tier]) -> "
+     "(placed, tier_delta, removed, demoted, unknown): hang a chain below node `parent`; "
+     "placed False: a page id of the chain names a node on its own path. With quiet_tier "
+     "(-1: none), each other holder of a node the worker newly holds gets a notice, but "
+     "holdings in that tier (see take_notices)."},
+    {"take_notices", FASTCALL(trie_take_notices),
+     "take_notices(pages, slot, limit) -> (page_ids, generations): the slot's notices "
+     "that still hold (that page id at that generation, held by someone else too), at "
+     "most `limit`, each taken once."},
+    {"clear_notices", trie_clear_notices, METH_O, "clear_notices(slot): forget its notices."},
+    {"notices_waiting", trie_notices_waiting, METH_O,
+     "notices_waiting(slot) -> notices waiting for the slot."},
     {"demote", FASTCALL(trie_demote),
      "demote(pages, slot, page_ids, new_page_ids, generations, tier) -> (moved, ...): "
      "move holdings in place; moved False: a new id names an ancestor."},
@@ -1052,6 +1102,9 @@ PyGetSetDef trie_getset[] = {
     {"free", trie_free, nullptr, "the free node ids", nullptr},
     {"room", trie_room, nullptr, "nodes it can hand out before the columns grow", nullptr},
     {"nbytes", trie_nbytes, nullptr, "bytes of its own (free list, extra holders)", nullptr},
+    {"notices", trie_notices, nullptr, "(notices issued, notices dropped unread)", nullptr},
+    {"notice_limit", trie_get_notice_limit, trie_set_notice_limit,
+     "notices that wait for one slot at most (the oldest go first)", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 

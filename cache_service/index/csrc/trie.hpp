@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -148,9 +149,6 @@ struct Tally {
   int64_t removed[kMaxTiers] = {};     // holdings removed by the event's reason, by tier
   int64_t demoted = 0;                 // holdings moved by a demotion
   int64_t unknown = 0;                 // page ids named that the worker did not hold
-  // When set, a store adds here the other holders' holdings of every node the worker
-  // newly holds (it holds the newest copy of those pages).
-  std::vector<Holding>* others = nullptr;
 };
 
 class Trie {
@@ -228,10 +226,12 @@ class Trie {
 
   // Hang a chain of `count` pages (packed tokens `data`) below `parent` for the worker in
   // `slot`; false: a page id of the chain is the worker's id of a node on its own path
-  // (the pages before it stay stored). The caller has made room for `count` nodes.
+  // (the pages before it stay stored). The caller has made room for `count` nodes. With
+  // `notify`, a node the worker newly holds that others hold already gives each of them
+  // (but holdings in `quiet_tier`) a notice: another worker has the newest copy.
   bool store(PageMap& map, int slot, int64_t parent, const char* data, std::size_t bytes,
              const int64_t* pages, const int64_t* generations, std::size_t count, int tier,
-             int64_t clock, Tally& tally) {
+             int64_t clock, Tally& tally, bool notify = false, int quiet_tier = -1) {
     need(parent);
     check_tier(tier);
     if (bytes != count * c_.page_bytes) throw std::invalid_argument("tokens for another count");
@@ -254,12 +254,51 @@ class Trie {
       if (node == kNone) node = new_node(parent, key, tokens);
       int16_t holders = c_.count[node];
       column = hold(map, slot, node, pages[i], generations[i], tier, column, tally);
-      if (tally.others != nullptr && holders > 0 && c_.count[node] > holders)
-        other_holdings(node, slot, *tally.others);
+      if (notify && holders > 0 && c_.count[node] > holders) superseded(node, slot, quiet_tier);
       c_.last_access[node] = clock;
       parent = node;
     }
     return true;
+  }
+
+  // The notices waiting for the worker in `slot` that still hold (it holds that page id at
+  // that generation, and someone else holds the page too), at most `limit`, each once, in
+  // the order they came; appended to `pages` and `generations`.
+  void take_notices(const PageMap& map, int slot, std::size_t limit, std::vector<int64_t>& pages,
+                    std::vector<int64_t>& generations) {
+    if (slot < 0 || static_cast<std::size_t>(slot) >= notices_.size()) return;
+    std::deque<Notice>& waiting = notices_[static_cast<std::size_t>(slot)];
+    std::size_t first = pages.size();
+    while (!waiting.empty() && pages.size() - first < limit) {
+      Notice notice = waiting.front();
+      waiting.pop_front();
+      int64_t node = map.get(notice.page);
+      Holding held;
+      if (node == kNone || c_.count[node] < 2 || !holding(node, slot, &held) ||
+          held.page != notice.page || held.generation != notice.generation)
+        continue;
+      if (std::find(pages.begin() + static_cast<std::ptrdiff_t>(first), pages.end(),
+                    notice.page) != pages.end())
+        continue;  // a page named twice (stored again by a third worker): once is enough
+      pages.push_back(notice.page);
+      generations.push_back(notice.generation);
+    }
+  }
+
+  // Forget the notices of the worker in `slot` (it left, or starts over).
+  void clear_notices(int slot) {
+    if (slot >= 0 && static_cast<std::size_t>(slot) < notices_.size())
+      notices_[static_cast<std::size_t>(slot)].clear();
+  }
+
+  // At most this many notices wait for one worker; the oldest go first.
+  void set_notice_limit(std::size_t limit) { notice_limit_ = limit; }
+  std::size_t notice_limit() const { return notice_limit_; }
+  int64_t notices_issued() const { return notices_issued_; }
+  int64_t notices_overflowed() const { return notices_overflowed_; }
+  std::size_t notices_waiting(int slot) const {
+    if (slot < 0 || static_cast<std::size_t>(slot) >= notices_.size()) return 0;
+    return notices_[static_cast<std::size_t>(slot)].size();
   }
 
   // Move each named holding of the worker to its new page id, generation and tier; ids
@@ -299,6 +338,7 @@ class Trie {
 
   // Drop every holding of the worker; `removed` (may be null) counts them by tier.
   std::size_t drop_all(PageMap& map, int slot, int64_t* removed, Tally& tally) {
+    clear_notices(slot);  // its page ids name nothing any more
     auto held = map.items();
     // Any order works: a node emptied here has no holders below it (prefix closure), so
     // it goes when the last of its children does, whichever comes last.
@@ -418,6 +458,7 @@ class Trie {
   std::size_t nbytes() const {
     std::size_t bytes = free_.capacity() * sizeof(int32_t) + keys_scratch_.capacity() * 8;
     for (const auto& [node, held] : extra_) bytes += 64 + held.capacity() * sizeof(Holding);
+    for (const auto& waiting : notices_) bytes += 80 + waiting.size() * sizeof(Notice);
     return bytes;
   }
 
@@ -429,6 +470,41 @@ class Trie {
 
   void check_tier(int tier) const {
     if (tier < 0 || tier >= tiers_) throw std::out_of_range("a tier outside TIERS");
+  }
+
+  struct Notice {
+    int32_t page;
+    int64_t generation;
+  };
+
+  // A notice for every holder of `node` but `slot`, except holdings in `quiet_tier`.
+  void superseded(int64_t node, int slot, int quiet_tier) {
+    for (int column = 0; column < kInline; ++column) {
+      std::size_t at = static_cast<std::size_t>(node) * kInline + column;
+      int16_t holder = c_.slot[at];
+      if (holder != -1 && holder != slot && c_.tier[at] != quiet_tier)
+        notify(holder, c_.page[at], c_.generation[at]);
+    }
+    auto found = extra_.find(static_cast<int32_t>(node));
+    if (found != extra_.end())
+      for (const Holding& holding : found->second)
+        if (holding.slot != slot && holding.tier != quiet_tier)
+          notify(holding.slot, holding.page, holding.generation);
+  }
+
+  void notify(int16_t slot, int32_t page, int64_t generation) {
+    if (static_cast<std::size_t>(slot) >= notices_.size()) notices_.resize(slot + 1);
+    std::deque<Notice>& waiting = notices_[static_cast<std::size_t>(slot)];
+    if (notice_limit_ == 0) {
+      ++notices_overflowed_;
+      return;
+    }
+    if (waiting.size() >= notice_limit_) {
+      waiting.pop_front();
+      ++notices_overflowed_;
+    }
+    waiting.push_back(Notice{page, generation});
+    ++notices_issued_;
   }
 
   int64_t allocate() {
@@ -559,20 +635,6 @@ class Trie {
     return column;
   }
 
-  // Every holding of `node` but `slot`'s, appended to `out`.
-  void other_holdings(int64_t node, int slot, std::vector<Holding>& out) const {
-    for (int column = 0; column < kInline; ++column) {
-      std::size_t at = static_cast<std::size_t>(node) * kInline + column;
-      int16_t holder = c_.slot[at];
-      if (holder != -1 && holder != slot)
-        out.push_back(Holding{holder, c_.page[at], c_.generation[at], c_.tier[at]});
-    }
-    auto found = extra_.find(static_cast<int32_t>(node));
-    if (found != extra_.end())
-      for (const Holding& holding : found->second)
-        if (holding.slot != slot) out.push_back(holding);
-  }
-
   // Take the worker's holding off `node`; `removed` (may be null) counts it by tier.
   void release(PageMap& map, int slot, int64_t node, int64_t* removed, Tally& tally) {
     int column = column_of(node, slot);
@@ -613,6 +675,10 @@ class Trie {
   std::size_t max_depth_ = 0;
   std::vector<int32_t> free_;
   std::unordered_map<int32_t, std::vector<Holding>> extra_;
+  std::vector<std::deque<Notice>> notices_;  // by worker slot (see take_notices)
+  std::size_t notice_limit_ = 4096;
+  int64_t notices_issued_ = 0;
+  int64_t notices_overflowed_ = 0;
   std::vector<int64_t> emptied_roots_;
   std::vector<int64_t> keys_scratch_, held_, stack_;
 };
