@@ -553,7 +553,11 @@ class MeshMember:
             "prompt_tokens": self.figures.prompt_tokens(),
             "copy_bytes": self.figures.copy_bytes_now(),
             "cache": self.cache.stats(),
-            "publisher": {"resyncs": self.publisher.resyncs, "batches": self.publisher.batches},
+            "publisher": {
+                "resyncs": self.publisher.resyncs,
+                "batches": self.publisher.batches,
+                "held_elsewhere": self.publisher.held_elsewhere,  # pages marked, as told
+            },
             "pages_served": self.page_server.pages_sent,
             "copies_refused": self.copies_refused,
             "page_server": self.page_server.health(),

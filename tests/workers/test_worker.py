@@ -71,6 +71,16 @@ def test_prefix_served_locally_then_from_peers(trio):
     _check(other_node, _expected(c, prompt + [5]))
     assert a.member.page_server.pages_sent > 0
 
+    # b and c hold copies of a's ten prompt pages now (and b, which answered as a did,
+    # the same first decode page): a's next heartbeat marks a's eleven, b's the ten that
+    # c copied later, to go first when their caches make room.
+    assert b.flush() and c.flush()
+    for worker in (a, b, c):
+        assert worker.member.publisher.heartbeat()
+    marked = [w.member.stats()["cache"]["held_elsewhere_marked_pages"] for w in trio]
+    assert marked == [11, 10, 0]
+    assert a.member.stats()["publisher"]["held_elsewhere"] == 11
+
 
 def test_a_worker_without_the_mesh_never_looks_up_nor_copies_but_keeps_its_own(service):
     a = make_worker(service, "a", "n1")
