@@ -12,7 +12,8 @@ index says so, `PrefixCache.held_elsewhere`) is *marked*, and marked leaves go b
 every unmarked one, by the policy among themselves: the mesh keeps the page if this
 worker lets it go, and keeps more distinct prefixes. A mark lasts until the page's run is
 accessed again (this worker uses its copy: it is not the one to spare) or the page
-leaves. Keys are (0 marked / 1 not, *the policy's key*).
+leaves. Marked leaves wait in a heap of their own, so a cache without marks ranks and
+evicts exactly as before.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Evictor:
         # eviction takes the pages it needs from a run at once.
         self.whole_runs = policy.evicts_runs_tail_first
         self.heap: list[tuple[tuple[int, ...], int, Run]] = []
+        # The marked leaves (their last page marked), by the policy's key too: they go
+        # before every leaf of `heap`. A run has one valid entry, in one of the two.
+        self.marked_heap: list[tuple[tuple[int, ...], int, Run]] = []
         self.num_evictable = 0  # ready pages with no references (all evictable, leaf first)
         self._versions = itertools.count(1)
         # Marked pages: page id -> its run's last access when marked (the mark holds while
@@ -62,10 +66,11 @@ class Evictor:
         self.marked_evicted = 0  # marked pages evicted
 
     def key(self, run: Run) -> tuple[int, ...]:
-        """The heap key of `run` (its last page): marked first, then the policy's."""
-        return (0 if self._marked(run, run.pages[-1]) else 1, *self.policy.key(run))
+        """The heap key of `run` (its last page), in whichever heap it is."""
+        return self.policy.key(run)
 
-    def _marked(self, run: Run, page: int) -> bool:
+    def is_marked(self, run: Run, page: int) -> bool:
+        """Whether `page` of `run` is marked, and the mark still holds."""
         marks = self.marks
         return bool(marks) and marks.get(page, -1) == run.last_access
 
@@ -73,7 +78,7 @@ class Evictor:
         """Mark `page` of published `run` (held elsewhere, see the module docstring);
         re-ranks the run if it is an evictable leaf ending in it. Returns whether the
         mark is new."""
-        if self._marked(run, page):
+        if self.is_marked(run, page):
             return False
         if len(self.marks) >= MARKS_SLACK + 2 * self.trie.num_pages:
             self.marks = {p: at for p, at in self.marks.items() if self.trie.run_of(p) is not None}
@@ -87,14 +92,14 @@ class Evictor:
         # Lazy deletion: an entry is valid only while its version is the run's latest.
         # (key, version) is unique per entry, so the heap never compares two runs.
         run.heap_version = next(self._versions)
-        heapq.heappush(self.heap, (self.key(run), run.heap_version, run))
-        if len(self.heap) > 2 * self.num_evictable + 1024:
+        marked = self.marks and self.is_marked(run, run.pages[-1])
+        heap = self.marked_heap if marked else self.heap
+        heapq.heappush(heap, (self.policy.key(run), run.heap_version, run))
+        if len(heap) > 2 * self.num_evictable + 1024:
             # In place: an eviction in progress holds this very list and must see what is
             # pushed while it runs (a new list would hide those leaves from it).
-            self.heap[:] = [
-                e for e in self.heap if e[2].is_evictable_leaf() and e[2].heap_version == e[1]
-            ]
-            heapq.heapify(self.heap)
+            heap[:] = [e for e in heap if e[2].is_evictable_leaf() and e[2].heap_version == e[1]]
+            heapq.heapify(heap)
 
     def incref(self, run: Run) -> None:
         """One more allocation holds `run`: its pages are no longer evictable."""
@@ -113,7 +118,8 @@ class Evictor:
                 self.push(run)
 
     def evict(self, n: int, on_take: Callable[[Run, int], None] | None = None) -> list[int]:
-        """Take up to `n` evictable pages off the trie, lowest key first.
+        """Take up to `n` evictable pages off the trie: marked leaves first, each heap
+        lowest key first.
 
         Args:
             n: pages wanted.
@@ -124,9 +130,15 @@ class Evictor:
             The pages taken, in eviction order; the caller frees them.
         """
         removed: list[int] = []
-        heap, trie, marks = self.heap, self.trie, self.marks
-        while len(removed) < n and heap:
-            key, version, run = heapq.heappop(heap)
+        trie, marks, marked_heap = self.trie, self.marks, self.marked_heap
+        while len(removed) < n:
+            while marked_heap and not _valid(marked_heap[0]):
+                heapq.heappop(marked_heap)
+            marked = bool(marked_heap)
+            heap = marked_heap if marked else self.heap
+            if not heap:
+                break
+            _, version, run = heapq.heappop(heap)
             if run.heap_version != version or not run.is_evictable_leaf():
                 continue
             # Leaf first, one page at a time, as long as the run's next page would be the
@@ -134,11 +146,6 @@ class Evictor:
             take = 1
             if self.whole_runs:
                 take = min(n - len(removed), len(run.pages))
-                if marks:  # only the pages marked as the last is (or not) rank alike
-                    same = 1
-                    while same < take and self._marked(run, run.pages[-1 - same]) == (key[0] == 0):
-                        same += 1
-                    take = same
             else:
                 while (
                     take < len(run.pages)
@@ -146,6 +153,11 @@ class Evictor:
                     and (not heap or self._key_after(run, take) < heap[0][0])
                 ):
                     take += 1
+            if marks:  # only pages ranked alike: marked (or not) as the last one is
+                same = 1
+                while same < take and self.is_marked(run, run.pages[-1 - same]) == marked:
+                    same += 1
+                take = same
             cut = len(run.pages) - take
             if on_take is not None:
                 on_take(run, cut)
@@ -169,4 +181,10 @@ class Evictor:
         """The policy's key of the page that ends `run` once its last `take` pages went."""
         i = len(run.pages) - take - 1
         view = _PageView(run.first_id + i, run.last_access, run.hits, run.first_depth + i)
-        return (0 if self._marked(run, run.pages[i]) else 1, *self.policy.key(view))
+        return self.policy.key(view)
+
+
+def _valid(entry: tuple[tuple[int, ...], int, Run]) -> bool:
+    """Whether a heap entry is its run's latest and the run an evictable leaf."""
+    run = entry[2]
+    return run.heap_version == entry[1] and run.is_evictable_leaf()

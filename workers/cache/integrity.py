@@ -58,7 +58,12 @@ def check_cache(
         assert allocation.capacity >= allocation.num_tokens, (
             f"allocation of {allocation.num_tokens} tokens has capacity {allocation.capacity}"
         )
-    valid_heap = {id(e[2]): e[0] for e in evictor.heap if e[2].heap_version == e[1]}
+    valid_heap = {
+        id(e[2]): (e[0], heap is evictor.marked_heap)
+        for heap in (evictor.heap, evictor.marked_heap)
+        for e in heap
+        if e[2].heap_version == e[1]
+    }
     published: dict[int, bytes] = {}  # page -> the digest it must record
     trie_pages: set[int] = set()
     cached = referenced = nodes = 0
@@ -152,8 +157,9 @@ def _check_run(
         published.update(dict.fromkeys(run.pages, EMPTY_DIGEST))
     if run.is_evictable_leaf():
         assert id(run) in valid_heap, f"leaf {run.pages[-1]} not evictable"
-        assert valid_heap[id(run)] == evictor.key(run), (
-            f"leaf {run.pages[-1]} is ranked by a stale key"
+        marked = evictor.is_marked(run, run.pages[-1])
+        assert valid_heap[id(run)] == (evictor.key(run), marked), (
+            f"leaf {run.pages[-1]} is ranked by a stale key, or in the wrong heap"
         )
 
 

@@ -42,12 +42,18 @@ class Trie:
         self.roots: dict[Namespace, Run] = {}
         self.next_id = 0  # the id of the next page to enter the trie
         self.num_pages = 0  # pages in the trie
-        # Where each page id went last (`run_of`), by page id (grown as ids need): the run
-        # it entered in and its node id. A split moves a run's first pages into a new
-        # run above it and a trim or a removal takes pages off, so the entry is a hint
-        # that `run_of` follows up the parents and checks.
+        # Where each page id was last seen (`run_of`), by page id: a run and the page's node
+        # id. Brought up to date only when asked: the runs made since (new or split off)
+        # wait in `_unplaced`, so that making a run costs one append; past `_unplaced_max`
+        # the list is dropped and the next lookup walks the whole trie instead. A later
+        # split moves a run's first pages into a new run above it, and a trim or a
+        # removal takes pages off, so an entry is a hint that `run_of` follows up the
+        # parents and checks.
         self._entered: list[Run | None] = [None] * num_pages
         self._node_ids: list[int] = [0] * num_pages
+        self._unplaced: list[Run] = []
+        self._unplaced_max = max(1024, num_pages)
+        self._rewalk = False
 
     def root(self, namespace: Namespace) -> Run:
         """The root of `namespace`, made on first use."""
@@ -62,14 +68,7 @@ class Trie:
         """A pending run of `pages` (keyed `key`, first page `head`) under `parent`."""
         depth = parent.first_depth + len(parent.pages)
         run = Run(key, head, pages, parent, self.next_id, depth)
-        entered, node_ids = self._entered, self._node_ids
-        if pages and max(pages) >= len(entered):
-            grow = max(pages) + 1 - len(entered)
-            entered.extend([None] * grow)
-            node_ids.extend([0] * grow)
-        for node_id, page in enumerate(pages, self.next_id):
-            entered[page] = run
-            node_ids[page] = node_id
+        self._unplace(run)
         self.next_id += len(pages)
         parent.add_child(run)
         self.num_pages += len(pages)
@@ -102,6 +101,7 @@ class Trie:
         low.children = {run.head: run}
         if owners is not None and run in owners:
             owners[low] = owners[run]
+        self._unplace(low)
         return low
 
     def trim(self, run: Run, keep: int) -> None:
@@ -120,8 +120,36 @@ class Trie:
         if parent.parent is None and not parent.children:
             del self.roots[parent.key]  # a root's key is its namespace
 
+    def _unplace(self, run: Run) -> None:
+        unplaced = self._unplaced
+        unplaced.append(run)
+        if len(unplaced) > self._unplaced_max:
+            unplaced.clear()
+            self._rewalk = True
+
+    def _place(self, runs) -> None:
+        """Record where the pages of `runs` are (later runs win: a page id reused)."""
+        entered, node_ids = self._entered, self._node_ids
+        for run in runs:
+            if not run.alive or not run.pages:
+                continue
+            top = max(run.pages)
+            if top >= len(entered):
+                entered.extend([None] * (top + 1 - len(entered)))
+                node_ids.extend([0] * (top + 1 - len(node_ids)))
+            for node_id, page in enumerate(run.pages, run.first_id):
+                entered[page] = run
+                node_ids[page] = node_id
+
     def run_of(self, page: int) -> Run | None:
         """The run of the trie that holds page id `page`, or None when none does."""
+        if self._rewalk:
+            self._rewalk = False
+            self._unplaced.clear()
+            self._place(self._all_runs())
+        elif self._unplaced:
+            self._place(self._unplaced)
+            self._unplaced.clear()
         if not 0 <= page < len(self._entered):
             return None
         run, node_id = self._entered[page], self._node_ids[page]
@@ -133,6 +161,15 @@ class Trie:
             return None
         i = node_id - run.first_id
         return run if i < len(run.pages) and run.pages[i] == page else None
+
+    def _all_runs(self):
+        """Every run of the trie, published or pending, in no particular order."""
+        for root in self.roots.values():
+            stack = list(root.iter_children())
+            while stack:
+                run = stack.pop()
+                yield run
+                stack.extend(run.iter_children())
 
     def published_runs(self):
         """Every published run, in no particular order."""

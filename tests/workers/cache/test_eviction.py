@@ -157,7 +157,7 @@ def _mark(cache, pool, pages) -> int:
 def _evict_for(cache, pages: int) -> list[int]:
     """The pages evicted to make room for a new request of `pages` full pages."""
     cache.take_events()
-    newcomer = cache.acquire(make_tokens((50_000, pages * PAGE)), NS)
+    newcomer = cache.acquire(make_tokens((10**6, pages * PAGE)), NS)  # shares no page
     assert newcomer is not None
     removed = [page for event in cache.take_events() for page in event.page_ids]
     newcomer.release()
@@ -225,4 +225,16 @@ def test_marks_follow_pages_into_the_runs_a_split_makes():
     assert _mark(cache, pool, [1]) == 1  # found in the run the split made above
     cache.check_integrity()  # every page found in its run by id
     assert _evict_for(cache, 5) == [4, 3, 0]  # two pages free, then 4, 3 before 0
+    cache.check_integrity()
+
+
+def test_pages_are_found_by_id_after_more_runs_than_the_trie_keeps_track_of():
+    # Past `_unplaced_max` runs made since the last lookup (1,024 or the page count), the
+    # trie drops its list of them and the next lookup walks the whole trie instead.
+    cache, pool = make_cache(num_pages=160)
+    cache._trie._unplaced_max = 64
+    _one_page_sequences(cache, pool, count=150, keep=0)
+    assert cache._trie._rewalk  # the path under test
+    assert _mark(cache, pool, [5, 149]) == 2
+    assert _evict_for(cache, 13) == [5, 149, 0]  # 10 free pages, the marked, then LRU
     cache.check_integrity()
