@@ -154,6 +154,14 @@ class DiskLink:
                 places.append(None)
         return places
 
+    def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:
+        marked = 0
+        for page, generation in zip(pages, generations, strict=True):
+            slot = page - self.id_base
+            if 0 <= slot < self.capacity:
+                marked += self.disk.mark(slot, generation)
+        return marked
+
     def dropped(self, digests: Sequence[bytes], reason: str) -> None:
         removed = self.disk.remove(digests, reason)
         self._announce(removed, reason)

@@ -42,7 +42,6 @@ from cache_service.tokens import INT32_MAX, pack_tokens
 
 _INT64_MAX = 2**63 - 1
 TIER_INDEX = {name: index for index, name in enumerate(TIERS)}
-_DISK = TIER_INDEX["disk"]
 
 
 class Chains:
@@ -105,7 +104,7 @@ class Chains:
         A page on a node the worker holds already (in another tier, or under another
         id) moves that holding to the chain's page id, generation and tier. With
         `notify`, every other holder of a node the worker did not hold before gets a
-        notice, but those holding it on disk (host memory does not make room from there).
+        notice (named by its id in whichever tier it holds the page).
 
         Returns:
             None, or why it cannot be placed: "unknown_parent" (the worker holds no such
@@ -135,7 +134,7 @@ class Chains:
             TIER_INDEX[event.tier],
             clock,
         )
-        written = self._trie.store(*args, _DISK) if notify else self._trie.store(*args)
+        written = self._trie.store(*args, True) if notify else self._trie.store(*args)
         self._settle(worker, written)
         return None if written[0] else "page_conflict"
 

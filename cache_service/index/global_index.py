@@ -310,9 +310,10 @@ class GlobalIndex(ThreadOwned):
     def held_elsewhere(
         self, worker_id: str, epoch: int, limit: int = 1024
     ) -> tuple[list[int], list[int]]:
-        """Pages of the worker's (in memory) that another worker has stored since it did:
-        the cluster keeps them if this worker lets them go, so its cache evicts them
-        before pages only it holds (`workers.cache.evictor`).
+        """Pages of the worker's (in any tier, by its ids there) that another worker has
+        stored since it did: the cluster keeps them if this worker lets them go, so its
+        tiers evict them before pages only it holds (`workers.cache.evictor`, the disk's
+        `DiskIndex`).
 
         Notices wait in the compiled trie, at most `notice_limit` a worker (the oldest
         go first). Each is taken once, and checked before it goes out: the worker still

@@ -37,16 +37,21 @@ def test_a_notice_goes_stale_when_its_page_left_or_changed():
     index.check_integrity()
 
 
-def test_no_notice_once_the_newer_copy_is_gone_or_for_a_disk_copy():
+def test_no_notice_once_the_newer_copy_is_gone():
     index = make_index("a", "b")
     apply_ok(index, "a", stored((0, 1), (1, 2), generations=(5, 6)))
     apply_ok(index, "b", stored((10, 11), (1, 2)))
     apply_ok(index, "b", PagesRemoved((10,), "evicted"))  # b holds neither now
     assert notices(index, "a") == ([], [])
-    # a's copy on disk: what host memory makes room from is not it.
-    apply_ok(index, "a", PagesDemoted((0, 1), (100, 101), (7, 8), "disk"))
+    index.check_integrity()
+
+
+def test_a_copy_on_disk_is_named_by_its_disk_id():
+    index = make_index("a", "b")
+    apply_ok(index, "a", stored((0, 1), (1, 2), generations=(5, 6)))
+    apply_ok(index, "a", PagesDemoted((1,), (101,), (8,), "disk"))  # page 2 went down
     apply_ok(index, "b", stored((10, 11), (1, 2)))
-    assert notices(index, "a") == ([], [])
+    assert notices(index, "a") == ([0, 101], [5, 8])
     index.check_integrity()
 
 

@@ -145,6 +145,31 @@ def test_a_full_disk_evicts_its_own_leaves_and_says_so(tmp_path):
         t.close()
 
 
+def test_a_disk_record_held_elsewhere_goes_before_older_ones(tmp_path):
+    """The index names a page on disk by its disk id: the disk tier evicts that record
+    first when it makes room (a stale generation changes nothing)."""
+    t = Tiers(tmp_path / "d", disk_pages=4)
+    try:
+        places = []
+        for seed in range(4):  # one page each, down to disk in turn: disk full
+            t.serve(_prompt(20 + seed, 1) + [1])
+            t.cache.take_events()
+            t.cache.evict(100)
+            [demoted] = t.cache.take_events()
+            places.append((demoted.new_page_ids[0], demoted.generations[0]))
+        second, generation = places[1]  # not the oldest record: that one, LRU would take
+        assert t.cache.held_elsewhere([second], [generation + 1]) == 0  # rewritten since
+        assert t.cache.held_elsewhere([second], [generation]) == 1
+        t.serve(_prompt(30, 1) + [1])
+        t.cache.evict(100)  # the disk makes room for it
+        removed = [e for e in t.cache.take_events() if isinstance(e, PagesRemoved)]
+        assert [(e.page_ids, e.tier) for e in removed] == [((second,), "disk")]
+        assert t.disk.stats()["marked_evicted"] == 1
+        t.check()
+    finally:
+        t.close()
+
+
 def test_a_reopened_disk_is_announced_as_disk_chains(tmp_path):
     first = Tiers(tmp_path / "d")
     prompt = _prompt(4, 3)

@@ -279,7 +279,8 @@ class PrefixCache:
     def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:
         """Pages of this cache that another worker has stored since (the index's notices,
         `GlobalIndex.held_elsewhere`): when eviction must make room they go before pages
-        only this worker holds, so that the mesh keeps more distinct prefixes. A page
+        only this worker holds, so that the mesh keeps more distinct prefixes. Ids past the
+        store's are the tier below's (its own ranking, `LowerTier.held_elsewhere`). A page
         rewritten since (its generation moved on) or no longer published here is skipped;
         nothing changes with `cluster_eviction` off.
 
@@ -290,6 +291,7 @@ class PrefixCache:
             return 0
         total = self._allocator.num_pages
         named = [(p, g) for p, g in zip(pages, generations, strict=True) if 0 <= p < total]
+        below = [(p, g) for p, g in zip(pages, generations, strict=True) if p >= total]
         marked = 0
         with self._lock:
             current = self._generations([page for page, _ in named])
@@ -298,6 +300,8 @@ class PrefixCache:
                 run = trie.run_of(page) if generation == now else None
                 if run is not None and run.ready:
                     marked += evictor.mark(run, page)
+            if below and self.lower is not None:  # ids past the store's: the tier below's
+                marked += self.lower.held_elsewhere(*zip(*below, strict=True))
         return marked
 
     def pages_referenced(self) -> int:

@@ -13,6 +13,8 @@ and the cache tells it about its published pages as they come and go:
                                            cache announces PagesDemoted for those it took,
                                            PagesRemoved("evicted") for the rest
     dropped     pages were dropped          (quarantine) the tier drops its copies too
+    held_elsewhere                          pages of the tier that another worker has
+                                           stored since: they go first when it makes room
     cleared     the cache was cleared       the tier is cleared too
 
 Each page goes down as a `Spilled`: its page id in host memory (its KV is intact during the
@@ -61,6 +63,12 @@ class LowerTier(Protocol):
     def demote(self, pages: Sequence[Spilled]) -> list[tuple[int, int] | None]:
         """Per page (leaf first): (its id in this tier, its generation there), or None when
         the tier did not take it."""
+        ...
+
+    def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:
+        """Pages of this tier (by their ids in it, at these generations) that another worker
+        has stored since: they go first when the tier makes room. Returns how many were
+        newly marked; ids or generations that do not match are skipped."""
         ...
 
     def dropped(self, digests: Sequence[bytes], reason: str) -> None: ...

@@ -13,8 +13,10 @@ for it.
 
 What is held stays prefix-closed: a record's parent is held (or it is a first page). Only
 leaves that are not `up` are evictable, least recently touched first. They sit in a heap
-of (stamp, digest) with stale entries skipped as they are popped: touching a record pushes
-it again instead of searching the heap.
+of (rank, stamp, digest) with stale entries skipped as they are popped: touching a record
+pushes it again instead of searching the heap. Rank 0 is a *marked* record (another worker
+has stored its page since: `mark`), which goes before every unmarked one (rank 1); a mark
+holds until the record is touched again.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ class DiskIndex:
         self._children: dict[bytes, set[bytes]] = {}
         self.up: set[bytes] = set()
         self._touched: dict[bytes, int] = {}  # digest -> stamp of its last touch
+        self._marked: dict[bytes, int] = {}  # digest -> its stamp when marked
         self._clock = 0
-        self._leaves: list[tuple[int, bytes]] = []
+        self._leaves: list[tuple[int, int, bytes]] = []
         self._busy: set[int] = set()
         held = set()
         for record in records:
@@ -107,6 +110,7 @@ class DiskIndex:
         digest = record.digest
         assert not self._children[digest], f"slot {record.slot} dropped before its children"
         del self._records[digest], self._touched[digest], self._children[digest]
+        self._marked.pop(digest, None)
         self._slots[record.slot] = None
         self._busy.add(record.slot)
         self.up.discard(digest)
@@ -153,24 +157,40 @@ class DiskIndex:
             self._push_if_evictable(digest)
 
     def touch(self, digest: bytes) -> None:
-        """Make a held record the most recently used."""
+        """Make a held record the most recently used (a mark on it lapses)."""
         self._clock += 1
         self._touched[digest] = self._clock
         self._push_if_evictable(digest)
         if len(self._leaves) > 2 * len(self._records) + 64:  # mostly stale: rebuild
-            self._leaves = [(self._touched[d], d) for d in self._records if self._evictable(d)]
+            self._leaves = [self._entry(d) for d in self._records if self._evictable(d)]
             heapq.heapify(self._leaves)
 
+    def mark(self, digest: bytes) -> bool:
+        """Mark a held record to go before unmarked ones (its page is held elsewhere, by a
+        newer copy); False when it is not held or marked already."""
+        if digest not in self._records or self.is_marked(digest):
+            return False
+        self._marked[digest] = self._touched[digest]
+        self._push_if_evictable(digest)
+        return True
+
+    def is_marked(self, digest: bytes) -> bool:
+        """Whether the record is marked and not touched since."""
+        stamp = self._marked.get(digest)
+        return stamp is not None and stamp == self._touched.get(digest)
+
     def pop_leaf(self, exclude: bytes) -> DiskRecord | None:
-        """The least recently touched evictable record other than `exclude`, or None."""
+        """The evictable record other than `exclude` to go first (marked ones first, then
+        the least recently touched), or None."""
         kept = []
         found = None
         while self._leaves:
-            stamp, digest = heapq.heappop(self._leaves)
-            if self._touched.get(digest) != stamp or not self._evictable(digest):
-                continue  # stale: touched again since, dropped, or no longer a leaf
+            entry = heapq.heappop(self._leaves)
+            digest = entry[2]
+            if entry != self._entry(digest) or not self._evictable(digest):
+                continue  # stale: touched or marked since, dropped, or no longer a leaf
             if digest == exclude:
-                kept.append((stamp, digest))
+                kept.append(entry)
                 continue
             found = self._records[digest]
             break
@@ -181,9 +201,13 @@ class DiskIndex:
     def _evictable(self, digest: bytes) -> bool:
         return not self._children[digest] and digest not in self.up
 
+    def _entry(self, digest: bytes) -> tuple[int, int, bytes]:
+        """The record's heap entry as it stands now."""
+        return (0 if self.is_marked(digest) else 1, self._touched.get(digest, -1), digest)
+
     def _push_if_evictable(self, digest: bytes) -> None:
         if self._evictable(digest):
-            heapq.heappush(self._leaves, (self._touched[digest], digest))
+            heapq.heappush(self._leaves, self._entry(digest))
 
     # -- checks --------------------------------------------------------------------------
 
@@ -219,3 +243,4 @@ class DiskIndex:
         assert children == self._children, "child sets disagree with the records"
         assert self.up <= self._records.keys(), "an up digest is not held"
         assert self._touched.keys() == self._records.keys(), "LRU stamps disagree"
+        assert self._marked.keys() <= self._records.keys(), "a marked digest is not held"

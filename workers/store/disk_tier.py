@@ -286,6 +286,8 @@ class DiskTier:
         victim = self._index.pop_leaf(exclude=parent)
         if victim is None:
             return None
+        if self._index.is_marked(victim.digest):
+            self._counts["marked_evicted"] += 1
         self._index.drop(victim)
         self._evictions["evicted"] += 1
         self._removed.append((victim, "evicted"))
@@ -409,6 +411,16 @@ class DiskTier:
                 self._index.release(record.slot)
         return doomed
 
+    def mark(self, slot: int, generation: int) -> bool:
+        """Mark the record in `slot`, if it is still the one at `generation`: another
+        worker has stored its page since, so it goes before unmarked records when the tier
+        makes room (until it is read or written again). Returns whether it was marked."""
+        with self._lock:
+            record = self._index.at(slot)
+            if record is None or record.generation != generation:
+                return False
+            return self._index.mark(record.digest)
+
     def take_removed(self) -> list[tuple[DiskRecord, str]]:
         """Records the tier removed on its own since the last call (evicted to make room,
         found corrupt on read), each with its reason, for the owner's events."""
@@ -475,6 +487,7 @@ class DiskTier:
                         "read_failures",
                         "write_failures",
                         "writes_refused",
+                        "marked_evicted",
                     )
                 },
                 "accepting": self._accepting,

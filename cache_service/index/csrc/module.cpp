@@ -653,19 +653,19 @@ PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   auto* self = reinterpret_cast<TrieObject*>(object);
   if (nargs != 8 && nargs != 9)
     return PyErr_Format(PyExc_TypeError, "store(pages, slot, parent, data, page_ids, "
-                        "generations, tier, clock[, quiet_tier]) takes 8 or 9 arguments, "
+                        "generations, tier, clock[, notify]) takes 8 or 9 arguments, "
                         "got %zd", nargs);
   kvmesh::PageMap* map;
-  int slot, tier, quiet_tier = -1;
+  int slot, tier;
   int64_t parent, clock;
   std::vector<int64_t> pages, generations;
   if (!map_and_slot(self, args, &map, &slot) || !as_key(args[2], &parent) ||
       !int64s(args[4], pages, "page ids must be a sequence") ||
       !int64s(args[5], generations, "generations must be a sequence") ||
-      !as_int(args[6], &tier, "tier") || !as_key(args[7], &clock) ||
-      (nargs == 9 && !as_int(args[8], &quiet_tier, "quiet tier")))
+      !as_int(args[6], &tier, "tier") || !as_key(args[7], &clock))
     return nullptr;
-  bool notify = nargs == 9;
+  int notify = nargs == 9 ? PyObject_IsTrue(args[8]) : 0;
+  if (notify < 0) return nullptr;
   if (generations.size() != pages.size())
     return PyErr_Format(PyExc_ValueError, "%zu generations for %zu pages", generations.size(),
                         pages.size());
@@ -676,8 +676,8 @@ PyObject* trie_store(PyObject* object, PyObject* const* args, Py_ssize_t nargs) 
   bool done = guarded([&] {
     placed = self->trie->store(*map, slot, parent, static_cast<const char*>(data.buf),
                                static_cast<std::size_t>(data.len), pages.data(),
-                               generations.data(), pages.size(), tier, clock, tally, notify,
-                               quiet_tier);
+                               generations.data(), pages.size(), tier, clock, tally,
+                               notify != 0);
   });
   PyBuffer_Release(&data);
   if (!done) return nullptr;
@@ -1060,11 +1060,10 @@ PyMethodDef trie_methods[] = {
      "`tier`. Past max_runs runs of consecutive nodes the rest is looked up by keys at "
      "once. clock: the matched pages' last access (None: unchanged)."},
     {"store", FASTCALL(trie_store),
-     "store(pages, slot, parent, data, page_ids, generations, tier, clock[, quiet_tier]) -> "
+     "store(pages, slot, parent, data, page_ids, generations, tier, clock[, notify]) -> "
      "(placed, tier_delta, removed, demoted, unknown): hang a chain below node `parent`; "
-     "placed False: a page id of the chain names a node on its own path. With quiet_tier "
-     "(-1: none), each other holder of a node the worker newly holds gets a notice, but "
-     "holdings in that tier (see take_notices)."},
+     "placed False: a page id of the chain names a node on its own path. With notify, "
+     "each other holder of a node the worker newly holds gets a notice (take_notices)."},
     {"take_notices", FASTCALL(trie_take_notices),
      "take_notices(pages, slot, limit) -> (page_ids, generations): the slot's notices "
      "that still hold (that page id at that generation, held by someone else too), at "

@@ -227,11 +227,11 @@ class Trie {
   // Hang a chain of `count` pages (packed tokens `data`) below `parent` for the worker in
   // `slot`; false: a page id of the chain is the worker's id of a node on its own path
   // (the pages before it stay stored). The caller has made room for `count` nodes. With
-  // `notify`, a node the worker newly holds that others hold already gives each of them
-  // (but holdings in `quiet_tier`) a notice: another worker has the newest copy.
+  // `notify`, a node the worker newly holds that others hold already gives each of them a
+  // notice: another worker has the newest copy.
   bool store(PageMap& map, int slot, int64_t parent, const char* data, std::size_t bytes,
              const int64_t* pages, const int64_t* generations, std::size_t count, int tier,
-             int64_t clock, Tally& tally, bool notify = false, int quiet_tier = -1) {
+             int64_t clock, Tally& tally, bool notify = false) {
     need(parent);
     check_tier(tier);
     if (bytes != count * c_.page_bytes) throw std::invalid_argument("tokens for another count");
@@ -254,7 +254,7 @@ class Trie {
       if (node == kNone) node = new_node(parent, key, tokens);
       int16_t holders = c_.count[node];
       column = hold(map, slot, node, pages[i], generations[i], tier, column, tally);
-      if (notify && holders > 0 && c_.count[node] > holders) superseded(node, slot, quiet_tier);
+      if (notify && holders > 0 && c_.count[node] > holders) superseded(node, slot);
       c_.last_access[node] = clock;
       parent = node;
     }
@@ -477,19 +477,17 @@ class Trie {
     int64_t generation;
   };
 
-  // A notice for every holder of `node` but `slot`, except holdings in `quiet_tier`.
-  void superseded(int64_t node, int slot, int quiet_tier) {
+  // A notice for every holder of `node` but `slot` (whatever its tier).
+  void superseded(int64_t node, int slot) {
     for (int column = 0; column < kInline; ++column) {
       std::size_t at = static_cast<std::size_t>(node) * kInline + column;
       int16_t holder = c_.slot[at];
-      if (holder != -1 && holder != slot && c_.tier[at] != quiet_tier)
-        notify(holder, c_.page[at], c_.generation[at]);
+      if (holder != -1 && holder != slot) notify(holder, c_.page[at], c_.generation[at]);
     }
     auto found = extra_.find(static_cast<int32_t>(node));
     if (found != extra_.end())
       for (const Holding& holding : found->second)
-        if (holding.slot != slot && holding.tier != quiet_tier)
-          notify(holding.slot, holding.page, holding.generation);
+        if (holding.slot != slot) notify(holding.slot, holding.page, holding.generation);
   }
 
   void notify(int16_t slot, int32_t page, int64_t generation) {

@@ -50,6 +50,24 @@ def test_adopted_records_are_held_and_the_rest_free_lowest_first():
     index.check_integrity()
 
 
+def test_marked_leaves_go_first_until_touched_again():
+    index = DiskIndex(4, [0] * 4, [])
+    a, b, c = (entered(index, bytes([n]) * 16) for n in b"abc")  # LRU: a, b, c
+    assert index.mark(c.digest) and not index.mark(c.digest)  # marked already
+    assert not index.mark(b"x" * 16)  # not held
+    assert index.pop_leaf(exclude=b"") == c  # before the older a and b
+    index.drop(c)
+    index.mark(b.digest)
+    index.touch(b.digest)  # read again: the mark lapses
+    assert not index.is_marked(b.digest)
+    assert index.pop_leaf(exclude=b"") == a
+    index.drop(a)
+    index.mark(b.digest)
+    index.drop(b)  # a dropped record takes its mark along
+    assert not index.is_marked(b.digest)
+    index.check_integrity()
+
+
 def test_subtrees_lists_children_before_parents_once():
     index = DiskIndex(6, [0] * 6, [])
     a = entered(index, b"a" * 16)
