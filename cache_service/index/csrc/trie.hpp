@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -151,6 +150,59 @@ struct Tally {
   int64_t unknown = 0;                 // page ids named that the worker did not hold
 };
 
+// A page of a worker's that another worker has stored since (see Trie::take_notices).
+struct Notice {
+  int32_t page;
+  int64_t generation;
+};
+
+// The notices waiting for one worker, oldest first: a ring that grows up to its limit and
+// then overwrites its oldest, so a busy store allocates nothing once it is full.
+class NoticeRing {
+ public:
+  std::size_t size() const { return size_; }
+  std::size_t capacity() const { return buf_.capacity(); }
+  bool empty() const { return size_ == 0; }
+
+  // Append; false when the oldest was overwritten to make room (`limit` > 0).
+  bool push(Notice notice, std::size_t limit) {
+    if (size_ < buf_.size()) {
+      std::size_t at = head_ + size_;
+      buf_[at < buf_.size() ? at : at - buf_.size()] = notice;
+      ++size_;
+      return true;
+    }
+    if (buf_.size() < limit) {  // full but below the limit: grow, oldest first again
+      std::rotate(buf_.begin(), buf_.begin() + static_cast<std::ptrdiff_t>(head_), buf_.end());
+      head_ = 0;
+      buf_.push_back(notice);
+      ++size_;
+      return true;
+    }
+    buf_[head_] = notice;  // at the limit: the oldest goes
+    if (++head_ == buf_.size()) head_ = 0;
+    return false;
+  }
+
+  Notice pop() {
+    Notice notice = buf_[head_];
+    if (++head_ == buf_.size()) head_ = 0;
+    --size_;
+    return notice;
+  }
+
+  void clear() {
+    head_ = size_ = 0;
+    buf_.clear();
+    buf_.shrink_to_fit();
+  }
+
+ private:
+  std::vector<Notice> buf_;
+  std::size_t head_ = 0;
+  std::size_t size_ = 0;
+};
+
 class Trie {
  public:
   Trie(KeyTable& table, ChainKeys& keys, int tiers)
@@ -267,11 +319,10 @@ class Trie {
   void take_notices(const PageMap& map, int slot, std::size_t limit, std::vector<int64_t>& pages,
                     std::vector<int64_t>& generations) {
     if (slot < 0 || static_cast<std::size_t>(slot) >= notices_.size()) return;
-    std::deque<Notice>& waiting = notices_[static_cast<std::size_t>(slot)];
+    NoticeRing& waiting = notices_[static_cast<std::size_t>(slot)];
     std::size_t first = pages.size();
     while (!waiting.empty() && pages.size() - first < limit) {
-      Notice notice = waiting.front();
-      waiting.pop_front();
+      Notice notice = waiting.pop();
       int64_t node = map.get(notice.page);
       Holding held;
       if (node == kNone || c_.count[node] < 2 || !holding(node, slot, &held) ||
@@ -291,8 +342,12 @@ class Trie {
       notices_[static_cast<std::size_t>(slot)].clear();
   }
 
-  // At most this many notices wait for one worker; the oldest go first.
-  void set_notice_limit(std::size_t limit) { notice_limit_ = limit; }
+  // At most this many notices wait for one worker; the oldest go first. Those waiting
+  // are dropped (they are advice; a ring never holds more than the limit).
+  void set_notice_limit(std::size_t limit) {
+    notice_limit_ = limit;
+    for (NoticeRing& waiting : notices_) waiting.clear();
+  }
   std::size_t notice_limit() const { return notice_limit_; }
   int64_t notices_issued() const { return notices_issued_; }
   int64_t notices_overflowed() const { return notices_overflowed_; }
@@ -458,7 +513,7 @@ class Trie {
   std::size_t nbytes() const {
     std::size_t bytes = free_.capacity() * sizeof(int32_t) + keys_scratch_.capacity() * 8;
     for (const auto& [node, held] : extra_) bytes += 64 + held.capacity() * sizeof(Holding);
-    for (const auto& waiting : notices_) bytes += 80 + waiting.size() * sizeof(Notice);
+    for (const auto& waiting : notices_) bytes += 40 + waiting.capacity() * sizeof(Notice);
     return bytes;
   }
 
@@ -472,18 +527,18 @@ class Trie {
     if (tier < 0 || tier >= tiers_) throw std::out_of_range("a tier outside TIERS");
   }
 
-  struct Notice {
-    int32_t page;
-    int64_t generation;
-  };
 
   // A notice for every holder of `node` but `slot` (whatever its tier).
   void superseded(int64_t node, int slot) {
+    int inline_holders = 0;
     for (int column = 0; column < kInline; ++column) {
       std::size_t at = static_cast<std::size_t>(node) * kInline + column;
       int16_t holder = c_.slot[at];
-      if (holder != -1 && holder != slot) notify(holder, c_.page[at], c_.generation[at]);
+      if (holder == -1) continue;
+      ++inline_holders;
+      if (holder != slot) notify(holder, c_.page[at], c_.generation[at]);
     }
+    if (c_.count[node] <= inline_holders) return;  // none beside the columns
     auto found = extra_.find(static_cast<int32_t>(node));
     if (found != extra_.end())
       for (const Holding& holding : found->second)
@@ -492,16 +547,12 @@ class Trie {
 
   void notify(int16_t slot, int32_t page, int64_t generation) {
     if (static_cast<std::size_t>(slot) >= notices_.size()) notices_.resize(slot + 1);
-    std::deque<Notice>& waiting = notices_[static_cast<std::size_t>(slot)];
     if (notice_limit_ == 0) {
       ++notices_overflowed_;
       return;
     }
-    if (waiting.size() >= notice_limit_) {
-      waiting.pop_front();
+    if (!notices_[static_cast<std::size_t>(slot)].push(Notice{page, generation}, notice_limit_))
       ++notices_overflowed_;
-    }
-    waiting.push_back(Notice{page, generation});
     ++notices_issued_;
   }
 
@@ -673,7 +724,7 @@ class Trie {
   std::size_t max_depth_ = 0;
   std::vector<int32_t> free_;
   std::unordered_map<int32_t, std::vector<Holding>> extra_;
-  std::vector<std::deque<Notice>> notices_;  // by worker slot (see take_notices)
+  std::vector<NoticeRing> notices_;  // by worker slot (see take_notices)
   std::size_t notice_limit_ = 4096;
   int64_t notices_issued_ = 0;
   int64_t notices_overflowed_ = 0;
