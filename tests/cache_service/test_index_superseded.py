@@ -91,3 +91,18 @@ def test_a_worker_that_leaves_takes_its_notices_along():
     assert notices(index, "a") == ([], [])
     assert notices(index, "b") == ([10, 11], [0, 0])
     index.check_integrity()
+
+
+def test_notices_keep_their_order_across_takes_and_wrap_arounds():
+    index = make_index("a", "b", "c", max_notices=4)
+    apply_ok(index, "a", stored(tuple(range(7)), tuple(range(1, 8))))
+    apply_ok(index, "b", stored((10, 11, 12), (1, 2, 3)))
+    assert notices(index, "a", limit=2)[0] == [0, 1]  # 2 waits
+    apply_ok(index, "b", stored((13, 14, 15), (4, 5, 6), parent=12))  # 3, 4, 5 after it
+    assert notices(index, "a", limit=1)[0] == [2]
+    apply_ok(index, "c", stored((20,), (1,)))  # 0 again, for a and for b: a's fourth
+    apply_ok(index, "b", stored((16,), (7,), parent=15))  # 6: the oldest waiting (3) goes
+    assert notices(index, "a")[0] == [4, 5, 0, 6]
+    assert notices(index, "b")[0] == [10]
+    assert index.stats()["superseded"] == {"issued": 9, "overflowed": 1}
+    index.check_integrity()
