@@ -320,14 +320,11 @@ class Registered(NamedTuple):
 
 
 class EpochReply(NamedTuple):
-    """The answer to Heartbeat: the service's current epoch, the version of its
-    quarantine list (a member whose copy is older asks for the list: GetQuarantine), and
-    pages of the worker's that another worker has stored since it did, with their
-    generations (`GlobalIndex.held_elsewhere`): its cache evicts those first."""
+    """The answer to Heartbeat."""
 
     service_epoch: int
-    quarantine: int = 0
-    elsewhere_pages: Sequence[int] = ()
+    quarantine: int = 0  # its quarantine list's version (a member behind asks: GetQuarantine)
+    elsewhere_pages: Sequence[int] = ()  # `GlobalIndex.held_elsewhere`: evicted first
     elsewhere_generations: Sequence[int] = ()
 
 

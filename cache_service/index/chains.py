@@ -17,8 +17,10 @@ same way, so a prefix never loses its holder between tiers:
 
 A worker that newly holds a node others hold already has the newest copy of that page (it
 copied it in, or computed it again): the others' copies of it are what a cluster can best
-spare. A store from the worker's events (not a resync) leaves each of them a notice in the
-compiled trie, which `GlobalIndex.held_elsewhere` hands out with their heartbeats.
+spare. A store from the worker's events (not a resync, and not a holding that only moved to
+another id or tier) leaves each of them a notice in the compiled trie, at most
+`notice_limit` waiting a worker (the oldest go first), which `GlobalIndex.held_elsewhere`
+hands out with their heartbeats.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class Chains:
             if parent is None:
                 return "unknown_parent"
         nodes.reserve(len(event.page_ids))
-        args = (
+        written = self._trie.store(
             worker.pages,
             worker.slot,
             parent,
@@ -133,8 +135,8 @@ class Chains:
             event.generations,
             TIER_INDEX[event.tier],
             clock,
+            notify,
         )
-        written = self._trie.store(*args, True) if notify else self._trie.store(*args)
         self._settle(worker, written)
         return None if written[0] else "page_conflict"
 

@@ -311,15 +311,9 @@ class GlobalIndex(ThreadOwned):
         self, worker_id: str, epoch: int, limit: int = 1024
     ) -> tuple[list[int], list[int]]:
         """Pages of the worker's (in any tier, by its ids there) that another worker has
-        stored since it did: the cluster keeps them if this worker lets them go, so its
-        tiers evict them before pages only it holds (`workers.cache.evictor`, the disk's
-        `DiskIndex`).
-
-        Notices wait in the compiled trie, at most `notice_limit` a worker (the oldest
-        go first). Each is taken once, and checked before it goes out: the worker still
-        holds that page id at that generation, and someone else holds the page too. A
-        worker that stores a page it already held (in another tier, under another id) or
-        that resyncs supersedes no one.
+        stored since it did: the mesh keeps them if it lets them go, so its tiers evict
+        them first. Each notice is taken once, checked then (the worker holds that id at
+        that generation, and someone else the page too); see `chains` for who gets one.
 
         Args:
             worker_id, epoch: the worker, as registered (another epoch: nothing).
@@ -501,27 +495,17 @@ class GlobalIndex(ThreadOwned):
         Returns:
             "page_tokens", "pages", "holdings", "workers_live", "tiers", "removals",
             "demotions", "cluster", "tenants", "workers", "events" and "removed_workers",
-            as drawn in `cache_service.index.stats`, and "superseded": notices "issued"
-            (a worker's page stored by another since, see `held_elsewhere`) and those
-            "overflowed" (dropped unread).
+            "superseded", as drawn in `cache_service.index.stats`.
         """
         self._own()
         parts = self._nodes, self._registry, self._tallies, self._batches.counts, self._chains
-        stats = index_stats(self.page_tokens, *parts)
-        issued, overflowed = self._trie.notices
-        stats["superseded"] = {"issued": issued, "overflowed": overflowed}
-        return stats
+        return index_stats(self.page_tokens, *parts)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless nodes, links, keys, holders and reverse maps agree."""
         self._own()
         check_integrity(self._nodes, self._holders, self._registry)
         self._registry.check()
-        limit = self._trie.notice_limit
-        for slot, worker in enumerate(self._registry.slots):
-            waiting = self._trie.notices_waiting(slot)
-            assert waiting <= limit, f"slot {slot}: {waiting} notices wait, over {limit}"
-            assert worker is not None or not waiting, f"free slot {slot} has {waiting} notices"
         self._tallies.check(lambda worker_id: worker_id in self._registry.workers)
 
 

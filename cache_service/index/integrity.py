@@ -8,7 +8,8 @@
 - holder counts match the inline columns and the holders beyond them; no node survives without a
   holder; no dead slot holds anything; every holding's tier is one of TIERS; each worker's
   holdings are prefix-closed and column-consistent; the workers' reverse page maps list
-  exactly their holdings, and their pages per tier count them.
+  exactly their holdings, and their pages per tier count them;
+- no worker has more notices waiting than the limit, and no free slot has any.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def check_integrity(nodes: Nodes, holders: Holders, registry: Registry) -> None:
     mapped = registry.holdings()
     assert held == mapped, f"{held} holders on nodes, {mapped} in reverse maps"
     _check_reverse_maps(holders, registry)
+    limit = nodes.trie.notice_limit
+    for slot, worker in enumerate(registry.slots):
+        waiting = nodes.trie.notices_waiting(slot)
+        assert waiting <= limit, f"slot {slot}: {waiting} notices wait, over {limit}"
+        assert worker is not None or not waiting, f"free slot {slot} has {waiting} notices"
 
 
 def _check_links(nodes: Nodes, used: np.ndarray) -> int:

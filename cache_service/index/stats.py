@@ -7,12 +7,15 @@
      "workers": {worker id: counters + "pages" held + "live" (+ "node" if live)},
      "events": {"batches", "duplicates", "resyncs_requested", "resyncs", "over_capacity",
                 "unknown_pages"},
-     "removed_workers": {reason: count}}
+     "removed_workers": {reason: count},
+     "superseded": {"issued", "overflowed"}}
 
 "removals" counts the holdings that removal events (PagesRemoved, AllCleared as
 "cleared") dropped, under the tier each was in; "demotions" the holdings PagesDemoted
 moved; "unknown_pages" the page ids those events named that the worker did not hold.
-Removals and demotions list only tiers (and reasons) that occurred.
+Removals and demotions list only tiers (and reasons) that occurred. "superseded" counts
+the notices of pages stored by another worker since (`GlobalIndex.held_elsewhere`), and
+those dropped unread.
 
 where counters are queries, queried_tokens, hit_tokens, local_hit_tokens,
 remote_hit_tokens, miss_tokens, alignment_lost_tokens (see `tallies`). Every value is
@@ -66,5 +69,6 @@ def index_stats(
         "demotions": {TIERS[t]: pages for t, pages in enumerate(chains.demoted) if pages},
         **sections,
         "events": {**events, "unknown_pages": chains.unknown_pages},
+        "superseded": dict(zip(("issued", "overflowed"), nodes.trie.notices, strict=True)),
         "removed_workers": dict(registry.removed),
     }

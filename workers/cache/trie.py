@@ -49,8 +49,8 @@ class Trie:
         # split moves a run's first pages into a new run above it, and a trim or a
         # removal takes pages off, so an entry is a hint that `run_of` follows up the
         # parents and checks.
-        self._entered: list[Run | None] = [None] * num_pages
-        self._node_ids: list[int] = [0] * num_pages
+        self._entered: list[Run | None] = []  # grown to the highest page id placed
+        self._node_ids: list[int] = []
         self._unplaced: list[Run] = []
         self._unplaced_max = max(1024, num_pages)
         self._rewalk = False
