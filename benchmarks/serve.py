@@ -329,21 +329,3 @@ def _summary(
             round(runs[mine][r] / best(runs[k][r] for k in against), 3) for r in range(repeats)
         ]
     return figures
-    rate = {key: figures[f"requests_per_s_{key}_runs"] for key in results}
-    p99 = {key: figures[f"ttft_p99_{key}_runs"] for key in results}
-    ratios = []
-    if others:  # kvmesh against the best other policy on the mesh
-        ratios.append(("throughput_vs_best", rate, others, max, False))
-        ratios.append(("p99_vs_best", p99, others, min, False))
-    if solo:  # kvmesh against the best policy without the mesh
-        ratios.append(("mesh_gain", rate, solo, max, False))
-    for name, runs, against, best, _ in ratios:
-        median = statistics.median
-        figures[f"{name}{suffix}"] = round(
-            median(runs[mine]) / best(median(runs[key]) for key in against), 3
-        )
-        # Each repeat's own: its runs against the others' runs of the same repeat.
-        figures[f"{name}{suffix}_runs"] = [
-            round(runs[mine][r] / best(runs[key][r] for key in against), 3) for r in range(repeats)
-        ]
-    return figures
