@@ -34,8 +34,9 @@ The package, along the index's seams (`GlobalIndex` is the thin facade over them
 - `stats`: the index's sizes and counts as one plain dict;
 - `integrity`: every invariant, checked in full;
 - `owner`: the one thread that may call an index;
-- `global_index`: the facade (workers, events, match, route, stats); `route` runs a
-  policy of `cache_service.routing` over what the index holds.
+- `routes`: the inputs of a routing policy (`cache_service.routing`) from what the index
+  holds, and the policies made so far;
+- `global_index`: the facade (workers, events, match, route, stats).
 
 The index is Python, numpy and its compiled part (built by the package's install): no
 Ray, ZMQ or torch.

@@ -16,7 +16,7 @@ from typing import Any
 from cache_service.events import KvEvent, Namespace, PagesStored
 from cache_service.index.batches import BatchOrder
 from cache_service.index.chains import Chains, check_event, check_snapshot
-from cache_service.index.holders import Holders, host_pages, match_spans
+from cache_service.index.holders import Holders, match_spans
 from cache_service.index.integrity import check_integrity
 from cache_service.index.keys import PrefixKeys
 from cache_service.index.nodes import NONE, Nodes
@@ -30,6 +30,7 @@ from cache_service.index.registry import (
     WorkerInfo,
     checked_peer,
 )
+from cache_service.index.routes import MAX_RUNS, Router
 from cache_service.index.stats import index_stats
 from cache_service.index.tallies import UNREGISTERED, Tallies
 from cache_service.messages import (
@@ -38,20 +39,10 @@ from cache_service.messages import (
     PeerEntry,
     RouteDecision,
 )
-from cache_service.routing import (
-    DEFAULT_POLICY,
-    RouteInputs,
-    RoutingPolicy,
-    WorkerLoad,
-    candidates_of,
-    make_policy,
-)
+from cache_service.routing import DEFAULT_POLICY, WorkerLoad
 from cache_service.tokens import TokenInput, as_packed
 
 _new_tuple = tuple.__new__
-# A path of more than this many runs of consecutive node ids is finished by looking up
-# the rest of the prompt's keys at once (csrc/walk.hpp).
-MAX_RUNS = 4
 _get_ident = threading.get_ident
 
 
@@ -104,9 +95,7 @@ class GlobalIndex(ThreadOwned):
         self.page_tokens = page_tokens
         self.max_spans = max_spans
         self.liveness_timeout_s = liveness_timeout_s
-        self.load_weight = load_weight
         super().__init__()  # the calling thread owns the index
-        self._policies: dict[str, RoutingPolicy] = {}  # by name, made on first use
         self._keys = PrefixKeys(page_tokens)
         self._holders = Holders()
         self._nodes = Nodes(page_tokens, self._keys, self._holders)
@@ -115,6 +104,7 @@ class GlobalIndex(ThreadOwned):
         self._trie = self._nodes.trie
         self._trie.notice_limit = max_notices
         self._registry = Registry(max_workers, max_capacity)
+        self._router = Router(self._nodes, self._registry, page_tokens, load_weight)
         self._tallies = Tallies(page_tokens, max_tenants)
         self._clock = 0  # logical: one tick per event batch, resync and match
         # Epochs are issued here, one per registration. They start at the wall clock in
@@ -461,25 +451,7 @@ class GlobalIndex(ThreadOwned):
         """
         self._own()
         data = _checked(namespace, tokens)
-        chooser = self._policies.get(policy)
-        if chooser is None:
-            chooser = self._policies[policy] = make_policy(policy)  # raises if unknown
-        workers = self._registry.workers
-        nodes = {w: workers[w].node_id for w in loads if w in workers}
-        candidates = candidates_of(loads, nodes, reported)
-        if not candidates:
-            return RouteDecision(None, 0, 0.0, "no_live_worker")
-        holdings = []  # a policy that reads no holdings spares the walk
-        if chooser.uses_holdings:
-            _, found = self._trie.match(self._nodes.roots.get(namespace), data, MAX_RUNS, None)
-            holdings = [
-                (slot, held, host_pages(held, tier, tiers))
-                for slot, held, tier, _, _, tiers in found
-            ]
-        held, at, host = self._registry.by_worker(holdings, self.page_tokens)
-        pending = {w: int(n) for w, n in (pending or {}).items() if n >= 0}
-        inputs = RouteInputs(candidates, len(data) // 4, held, at, pending, self.load_weight, host)
-        return chooser.choose(inputs)
+        return self._router.route(namespace, data, loads, pending, reported, policy)
 
     # ---- statistics and checks -----------------------------------------------------------
 
