@@ -1,19 +1,20 @@
 """Every front door's requests in flight, as the service last heard them: so that front
 doors routing at once do not herd. Pure: no Ray, no sockets, no clock of its own.
 
-A front door counts its own requests in flight and sends the count with each ROUTE
-(`loads`); a worker's heartbeat brings its queue a publish interval late. Two front doors
-routing at once would each see only their own requests, and the same idle worker would
-take a burst from both of them (each door balancing only its own half). The service is
+A front door counts its requests in flight that the workers' heartbeats do not count yet
+(those sent within two publish intervals) and sends the count with each ROUTE (`loads`);
+a worker's heartbeat brings the rest of its queue. Two front doors routing at once would
+each see only their own requests, and the same idle worker would take a burst from both
+of them (each door balancing only its own half). The service is
 the one place every ROUTE passes, so it keeps each door's latest count, with the request
 it just routed added, and a ROUTE from one door weighs the others' beside its own:
 
     queue(w) = own(w) + sum of other doors' loads(w)    (doors heard within FRESH_S)
 
-and the policy still takes the larger of that and the worker's own report. A door that
-stopped sending is forgotten after FRESH_S: by then the heartbeats carry its requests, or
-they have ended. (Ray Serve's KV-aware router broadcasts its replicas' reservations to
-one another for the same reason.)
+and the policy adds the worker's own report. A door that stopped sending is forgotten
+after FRESH_S: by then the heartbeats carry its requests, or they have ended. (Ray Serve's
+KV-aware router broadcasts its replicas' reservations to one another for the same
+reason.)
 
     door A: ROUTE(loads={w0: 0, w1: 0}) -> w0   kept: A {w0: 300, w1: 0}
     door B: ROUTE(loads={w0: 0, w1: 0})         weighed as {w0: 300, w1: 0} -> w1

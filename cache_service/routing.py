@@ -27,7 +27,8 @@ kvmesh's estimate, for each candidate w, in seconds until the prompt's first tok
     reach(w)   = max(own(w), held anywhere) what w has once it copied the best holder's
     copied(w)  = reach(w) - own(w)
     compute(w) = prompt_tokens - reach(w)
-    queue(w)   = prompt tokens w has yet to compute for the requests it queued or runs
+    queue(w)   = prompt tokens w has yet to compute for the requests it queued or runs:
+                 its last report's, and the front doors' requests sent since
     read(w)    = the tokens of own(w) and copied(w) on disk, not in host memory
     decode(w)  = step_s(w) * min(decode_steps(w), passes(w))
     passes(w)  = the forward passes until the prompt's first token: its queue and its
@@ -123,8 +124,8 @@ class Candidate(NamedTuple):
 
     worker_id: str
     node_id: str
-    # Prompt tokens ahead of this one: the larger of the caller's count of its requests in
-    # flight there and the worker's own report.
+    # Prompt tokens ahead of this one: the worker's own report (what it has yet to compute)
+    # and the callers' requests sent there since, which the report does not count yet.
     queue: float
     load: WorkerLoad = WorkerLoad()
 
@@ -171,7 +172,9 @@ def candidates_of(
     """Candidates for the workers among `loads`' keys that `nodes` knows, in id order.
 
     Args:
-        loads: worker id -> prompt tokens the caller has in flight there.
+        loads: worker id -> prompt tokens of the callers' requests there that its report
+            does not count yet (those sent since; for a worker that reports no queue,
+            every request in flight there).
         nodes: worker id -> node, of every registered worker.
         reported: worker id -> its latest reported load and costs.
 
@@ -187,7 +190,7 @@ def candidates_of(
         node = nodes.get(worker_id)
         if node is not None:
             report = reported.get(worker_id, WorkerLoad())
-            queue = max(float(load), float(report.queued_tokens))
+            queue = float(load) + float(report.queued_tokens)
             out.append(Candidate(worker_id, node, queue, report))
     return out
 

@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 
@@ -45,6 +45,9 @@ from cluster.requests import FrontRequest
 from cluster.roster import Roster
 from workers.api import GenerateOutput, GenerateRequest, ServingStopped, StreamItem
 from workers.service.client import ServiceClient, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from cluster.config import KvmeshConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,9 @@ class Dispatcher:
         policy: the routing policy's name (`cache_service.routing.POLICIES`).
         door: this front door's id in its ROUTEs (default: a new random one): the service
             weighs other front doors' requests in flight beside this one's.
+        reported_after_s: how soon the workers' reports count a request sent to them
+            (their heartbeat interval and a margin): a ROUTE carries only this front
+            door's requests sent within it, the service adds the workers' reports.
     """
 
     def __init__(
@@ -131,8 +137,12 @@ class Dispatcher:
         client: ServiceClient,
         policy: str,
         door: str | None = None,
+        reported_after_s: float = 1.0,
     ):
+        if not reported_after_s > 0:
+            raise ValueError(f"reported_after_s must be positive, got {reported_after_s}")
         self.roster = roster
+        self.reported_after_s = reported_after_s
         self.inflight = inflight
         self.client = client
         self.policy = policy
@@ -145,6 +155,15 @@ class Dispatcher:
         # once from several threads would otherwise each see the others' workers idle
         # and herd onto the same one (a burst of cold prompts, all on one worker).
         self._routing = threading.Lock()
+
+    @classmethod
+    def of(cls, cfg: KvmeshConfig, roster: Roster, client: ServiceClient) -> Dispatcher:
+        """A mesh's front door's: its policy and page size, and the requests it hands the
+        service as not yet reported those of the last two of the workers' heartbeat
+        intervals (one counts a request sent within it; the second is a margin)."""
+        inflight = InFlight(cfg.cache.page_tokens)
+        after_s = 2 * cfg.workers.publish_interval_s
+        return cls(roster, inflight, client, cfg.routing.policy, reported_after_s=after_s)
 
     # -- the two steps -----------------------------------------------------------------
 
@@ -205,19 +224,22 @@ class Dispatcher:
                 f"not serving: {', '.join(down) or 'none'})"
             )
         namespace, tokens = request.namespace, request.tokens
-        loads = self.inflight.loads(live)
+        # The workers' reports count the rest of this door's requests in flight.
+        recent = self.inflight.loads(live, self.reported_after_s)
         pending = self.inflight.pending(namespace, tokens)
         estimates = self.policy == EstimatedTtft.name
         try:
-            decision = self.client.route(namespace, tokens, loads, pending, self.policy, self.door)
+            decision = self.client.route(namespace, tokens, recent, pending, self.policy, self.door)
         except ServiceUnavailable:
             estimates = False
-            # Without the index: what this front door knows of its own requests.
+            # Without the index or the reports: every request this front door has there.
+            loads = self.inflight.loads(live)
             nodes = dict.fromkeys(live, "")
             inputs = RouteInputs(candidates_of(loads, nodes), len(tokens), pending=pending)
             decision = self._fallback.choose(inputs)
-        if decision.worker_id not in loads:  # the service knows none of the live ones yet
+        if decision.worker_id not in recent:  # the service knows none of the live ones yet
             estimates = False
+            loads = self.inflight.loads(live)
             decision = make_policy("least-loaded").choose(
                 RouteInputs(candidates_of(loads, dict.fromkeys(live, "")), len(tokens))
             )

@@ -2,20 +2,28 @@
 
 The service's index knows the pages workers have published; the workers' heartbeats
 bring their queues a moment late. The front door knows, at once, every request it has
-sent and not yet had back: the prompt tokens each still has to compute (its queue on
-that worker, as `loads` of a ROUTE) and the prompts themselves, so that a prefix being
+sent and not yet had back: the prompt tokens each computes there (the worker's queue
+grows by them, `loads` of a ROUTE) and the prompts themselves, so that a prefix being
 computed right now for one request counts as held by the worker computing it when the
 next request for it is routed (`pending`): concurrent requests for one prefix then join
 that worker's batch instead of each computing it somewhere else.
 
-    route(prompt) -> service.route(prompt, loads=InFlight.loads(), pending=InFlight.pending(prompt))
+A request stays in flight until its answer comes back, long after its prompt was
+computed (its decode steps), and the door cannot see when that was. The worker's own
+report can: it counts the prompt tokens still to compute. So the door hands the service
+only what the reports cannot count yet, its requests sent within the last `within_s`
+(a heartbeat interval and a margin: `loads(workers, within_s)`), and the service adds
+them to the worker's report; without the service, the door weighs all of them.
+
+    route(prompt) -> service.route(prompt, loads=InFlight.loads(live, within_s), pending=...)
     add(worker, prompt, tokens it computes)      ... the request runs ...      remove
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from cache_service.events import Namespace
@@ -31,6 +39,7 @@ class _Entry(NamedTuple):
     namespace: Namespace
     packed: bytes  # the prompt as int32 bytes
     tokens: int  # prompt tokens it computes (what the worker has yet to do for it)
+    sent_at: float  # when it was added (the in-flight clock's seconds)
 
 
 class InFlight:
@@ -39,10 +48,12 @@ class InFlight:
     Args:
         page_tokens: the index's page size: a pending prefix counts in whole pages, as
             the index will hold it.
+        clock: monotonic seconds (when requests were sent, for `loads`' `within_s`).
     """
 
-    def __init__(self, page_tokens: int):
+    def __init__(self, page_tokens: int, clock: Callable[[], float] = time.monotonic):
         self.page_tokens = page_tokens
+        self._clock = clock
         self._entries: dict[int, _Entry] = {}
         self._issued = 0  # handles handed out so far (the next one's value)
         self._lock = threading.Lock()
@@ -50,7 +61,8 @@ class InFlight:
     def add(self, worker_id: str, namespace: Namespace, prompt: Sequence[int], tokens: int) -> int:
         """A request sent to `worker_id`, computing `tokens` of `prompt`; returns its
         handle for `remove`."""
-        entry = _Entry(worker_id, namespace, pack_tokens(list(prompt)), max(0, tokens))
+        packed = pack_tokens(list(prompt))
+        entry = _Entry(worker_id, namespace, packed, max(0, tokens), self._clock())
         with self._lock:
             handle, self._issued = self._issued, self._issued + 1
             self._entries[handle] = entry
@@ -60,12 +72,14 @@ class InFlight:
         with self._lock:
             self._entries.pop(handle, None)
 
-    def loads(self, workers: Sequence[str]) -> dict[str, float]:
-        """worker id -> prompt tokens of this front door's requests in flight there."""
+    def loads(self, workers: Sequence[str], within_s: float | None = None) -> dict[str, float]:
+        """worker id -> prompt tokens of this front door's requests in flight there: all
+        of them, or with `within_s` those sent within the last `within_s` seconds."""
         out = dict.fromkeys(workers, 0.0)
+        since = -float("inf") if within_s is None else self._clock() - within_s
         with self._lock:
             for entry in self._entries.values():
-                if entry.worker_id in out:
+                if entry.worker_id in out and entry.sent_at >= since:
                     out[entry.worker_id] += entry.tokens
         return out
 

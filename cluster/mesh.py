@@ -65,7 +65,6 @@ from cluster.actors import (
 from cluster.config import KvmeshConfig, config_from_dict, config_to_dict, load_config
 from cluster.dispatch import Dispatcher
 from cluster.errors import MeshError
-from cluster.inflight import InFlight
 from cluster.requests import (
     FrontRequest,
     GenerateResult,
@@ -173,8 +172,7 @@ class Mesh:
             ray_resolver(), timeout_s=1.0, retries=0, client_keys=front_door
         )
         # What routing knows at once: this front door's requests in flight.
-        inflight = InFlight(cfg.cache.page_tokens)
-        self.dispatcher = Dispatcher(self.roster, inflight, self.service_client, cfg.routing.policy)
+        self.dispatcher = Dispatcher.of(cfg, self.roster, self.service_client)
         self._named: set[str] = set()  # tenants whose names the service has
         self._closed = False
         self._group = None  # the workers' placement group, when this Mesh reserved it

@@ -717,8 +717,7 @@ def test_route_weighs_the_queue_against_copying():
     assert index.route(NS, PROMPT, {"a": 1.0, "b": 0.0}) == RouteDecision(
         "b", 4, pytest.approx(8e-5 + 2e-3 * 4), "prefix"
     )
-    # The queue a reported with its heartbeat counts when it is longer than the front
-    # door's own count.
+    # The queue a reported with its heartbeat counts beside the requests sent since.
     reported = {"a": WorkerLoad(queued_tokens=2)}
     assert index.route(NS, PROMPT, {"a": 0.0, "b": 0.0}, reported=reported).worker_id == "b"
     assert index.route(NS, PROMPT, {"a": 0.0, "b": 0.0}).worker_id == "a"

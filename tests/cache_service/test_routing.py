@@ -272,13 +272,16 @@ def test_the_registry_makes_each_policy_and_names_the_known_ones():
         make_policy("random")
 
 
-def test_candidates_are_the_registered_workers_with_the_larger_queue():
+def test_candidates_are_the_registered_workers_their_reports_and_requests_sent_since():
+    # A queue is what the worker reported and what the callers sent there since (the
+    # report does not count those yet); one that reported nothing has only the latter.
     reported = {"a": WorkerLoad(queued_tokens=500), "b": WorkerLoad(queued_tokens=10)}
-    nodes = {"a": "n1", "b": "n2"}
-    cands = candidates_of({"b": 100.0, "a": 100.0, "zz": 0.0}, nodes, reported)
+    nodes = {"a": "n1", "b": "n2", "c": "n1"}
+    cands = candidates_of({"b": 100.0, "a": 100.0, "c": 30.0, "zz": 0.0}, nodes, reported)
     assert [(c.worker_id, c.node_id, c.queue) for c in cands] == [
-        ("a", "n1", 500.0),
-        ("b", "n2", 100.0),
+        ("a", "n1", 600.0),
+        ("b", "n2", 110.0),
+        ("c", "n1", 30.0),
     ]  # zz is not registered: no candidate
     with pytest.raises(ValueError, match="load of worker 'a' must be finite"):
         candidates_of({"a": float("nan")}, nodes)

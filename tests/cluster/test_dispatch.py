@@ -21,6 +21,7 @@ from cluster.inflight import InFlight
 from cluster.requests import FrontRequest
 from cluster.roster import Roster
 from workers.api import GenerateRequest
+from workers.service.client import ServiceUnavailable
 
 NS = Namespace("m", "", "salt")
 WORKERS = ("w0", "w1")
@@ -145,3 +146,48 @@ def test_a_negative_or_infinite_estimate_is_refused_by_the_request():
     for bad in (-0.1, float("inf"), float("nan"), "1", True):
         with pytest.raises(ValueError, match="route_estimate_s"):
             GenerateRequest((1, 2, 3), route_estimate_s=bad)
+
+
+class RecordingService(SlowService):
+    """A SlowService that keeps the loads each ROUTE carried, or is down (`down`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed: list[dict[str, float]] = []
+        self.down = False
+
+    def route(self, namespace, tokens, loads, pending, policy, door=None):
+        if self.down:
+            raise ServiceUnavailable("the service is down")
+        self.routed.append(dict(loads))
+        return super().route(namespace, tokens, loads, pending, policy, door)
+
+
+def test_a_route_carries_only_the_requests_the_workers_reports_do_not_count_yet():
+    # A request in flight longer than the reports take to count it (its prompt may be
+    # computed, its decode steps running) is the workers' to report, not the door's:
+    # the ROUTE carries only the requests sent since. Without the service, the door
+    # weighs every request it has in flight.
+    now = [50.0]
+    service = RecordingService()
+    roster = Roster(dict.fromkeys(WORKERS), restarts=False, on_lost=lambda worker: None)
+    front = Dispatcher(
+        roster, InFlight(16, clock=lambda: now[0]), service, "least-loaded", None, 1.0
+    )
+    with front.placed(request(1, tokens=300)) as first:
+        assert service.routed[-1] == {"w0": 0.0, "w1": 0.0}
+        now[0] = 50.5
+        with front.placed(request(2, tokens=40)) as second:
+            assert service.routed[-1] == {first.worker: 300.0, second.worker: 0.0}
+            assert second.worker != first.worker
+            now[0] = 51.2  # the first is in the reports now; the second not yet
+            with front.placed(request(3, tokens=10)):
+                assert service.routed[-1] == {first.worker: 0.0, second.worker: 40.0}
+            service.down = True
+            with front.placed(request(4, tokens=10)) as fourth:
+                # Least-loaded over everything in flight here: 300 against 40.
+                assert fourth.worker == second.worker
+    front.inflight.check_integrity()
+    assert len(front.inflight) == 0
+    with pytest.raises(ValueError, match="reported_after_s must be positive"):
+        Dispatcher(roster, InFlight(16), service, "least-loaded", None, 0.0)

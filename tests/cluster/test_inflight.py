@@ -26,6 +26,23 @@ def test_loads_count_the_tokens_in_flight_per_worker_until_removed():
     flight.check_integrity()
 
 
+def test_loads_within_a_window_count_only_the_requests_sent_in_it():
+    # What the workers' reports cannot count yet: the requests sent in the last second.
+    now = [100.0]
+    flight = InFlight(P, clock=lambda: now[0])
+    flight.add("w0", NS, list(range(20)), 12)  # sent at 100.0
+    now[0] = 100.6
+    flight.add("w0", NS, list(range(30)), 30)
+    flight.add("w1", NS, list(range(8)), 8)
+    now[0] = 101.2
+    assert flight.loads(["w0", "w1"], within_s=1.0) == {"w0": 30.0, "w1": 8.0}
+    assert flight.loads(["w0", "w1"]) == {"w0": 42.0, "w1": 8.0}  # every one in flight
+    now[0] = 101.7
+    assert flight.loads(["w0", "w1"], within_s=1.0) == {"w0": 0.0, "w1": 0.0}
+    assert flight.loads(["w0", "w1"]) == {"w0": 42.0, "w1": 8.0}
+    flight.check_integrity()
+
+
 def test_check_integrity_catches_a_broken_entry():
     flight = InFlight(P)
     handle = flight.add("w0", NS, list(range(8)), 8)
