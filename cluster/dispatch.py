@@ -158,9 +158,9 @@ class Dispatcher:
 
     @classmethod
     def of(cls, cfg: KvmeshConfig, roster: Roster, client: ServiceClient) -> Dispatcher:
-        """A mesh's front door's: its policy and page size, and the requests it hands the
-        service as not yet reported those of the last two of the workers' heartbeat
-        intervals (one counts a request sent within it; the second is a margin)."""
+        """The dispatcher of a mesh's front door: the mesh's policy and page size, and its
+        ROUTEs carry the requests sent within the last two of the workers' heartbeat
+        intervals (a heartbeat counts a request sent within one; the second is a margin)."""
         inflight = InFlight(cfg.cache.page_tokens)
         after_s = 2 * cfg.workers.publish_interval_s
         return cls(roster, inflight, client, cfg.routing.policy, reported_after_s=after_s)
