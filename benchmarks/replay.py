@@ -30,7 +30,8 @@ One request, in order (no concurrency):
     release     then the worker's KV events go to the index (one batch, seq + 1).
     heartbeats  every worker takes the index's notices of its pages that another worker
                 has stored since (`GlobalIndex.held_elsewhere`): its cache evicts those
-                first (`cache.cluster_eviction`; `--local-eviction` turns it off).
+                first (`cache.cluster_eviction`; `--local-eviction` turns it off;
+                round-robin's workers copy nothing, so they never do).
 
 Accounting, per request of n prompt tokens:
 
@@ -567,6 +568,9 @@ def replay(
         report = None
 
     started = time.perf_counter()
+    # Workers that copy nothing from each other keep their own copies (as `workers.share:
+    # false` does): another's copy spares them nothing.
+    cluster_eviction = cluster_eviction and chosen.copy_remote
     cluster = _Cluster(workers, pages_per_worker, page_tokens, load_window, cluster_eviction)
     totals = _run(cluster, requests, chosen, "replay", report)
     replay_s = time.perf_counter() - started

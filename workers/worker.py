@@ -143,8 +143,11 @@ class Worker:
         self._seq_ids = itertools.count()
         self._by_id: dict[str, Seq] = {}  # requests in flight by their callers' ids
         layout = store_layout_for(model, settings.num_pages, settings.cache.page_tokens)
+        cache = settings.cache
+        if not settings.share:  # it copies nothing back: another's copy spares it nothing
+            cache = dataclasses.replace(cache, cluster_eviction=False)
         self.member = MeshMember(
-            membership(settings), layout, settings.cache, load=self._load_figures, active=self.load
+            membership(settings), layout, cache, load=self._load_figures, active=self.load
         )
         self.store, self.cache = self.member.store, self.member.cache
         try:

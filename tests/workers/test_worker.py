@@ -103,6 +103,15 @@ def test_a_worker_without_the_mesh_never_looks_up_nor_copies_but_keeps_its_own(s
         index = service.stats()
         assert index["workers"]["b"]["queries"] == 0 and index["workers"]["b"]["pages"] > 0
         assert index["workers"]["a"]["queries"] > 0
+        # a computes the prompt anew, after alone: the index tells alone its pages are held
+        # elsewhere, and alone keeps them first all the same (it cannot copy them back).
+        a.clear_cache()
+        assert a.flush()
+        a.generate(prompt, 6)
+        assert a.flush() and alone.flush()
+        assert alone.stats().publisher["held_elsewhere"] == 0
+        assert alone.stats().cache["held_elsewhere_marked_pages"] == 0
+        assert service.stats()["superseded"]["issued"] > 0  # the notices were sent
     finally:
         for worker in (a, alone):
             worker.check_integrity()
