@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.events import Namespace, PagesDemoted, PagesRemoved, PagesStored
+from cache_service.events import PagesDemoted, PagesRemoved, PagesStored
+from tests.workers.tier_helpers import NS, P, expected_kv, make_prompt, serve
 from workers.cache.disk_settings import mesh_key
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from workers.disk_link import DiskLink
@@ -14,8 +15,6 @@ from workers.store.digests import page_digests
 from workers.store.disk_tier import DiskTier
 from workers.store.page_store import SharedPageStore, StoreLayout
 
-NS = Namespace("tiny")
-P = 4
 LAYOUT = StoreLayout(num_pages=12, num_layers=2, num_kv_heads=2, page_tokens=P, head_dim=3)
 KEY = mesh_key(b"s" * 32)
 
@@ -31,16 +30,7 @@ class Tiers:
         self.cache = PrefixCache(self.store, PrefixCacheConfig(page_tokens=P), lower=self.link)
 
     def serve(self, tokens: list[int]) -> list[int]:
-        """Acquire, write KV that is a function of each token, publish, release; returns
-        the allocation's pages."""
-        allocation = self.cache.acquire(tokens, NS)
-        assert allocation is not None
-        for pos in range(allocation.cached_tokens, len(tokens)):
-            self.store.page(allocation.pages[pos // P])[:, :, :, pos % P, :] = float(tokens[pos])
-        allocation.publish(len(tokens))
-        pages = list(allocation.pages)
-        allocation.release()
-        return pages
+        return serve(self.cache, self.store, tokens)
 
     def check(self) -> None:
         self.cache.check_integrity()
@@ -60,17 +50,12 @@ def tiers(tmp_path):
     t.close()
 
 
-def _prompt(seed: int, pages: int) -> list[int]:
-    return [(seed * 31 + 7 * i) % 200 + 1 for i in range(pages * P)]
-
-
 def _expected_kv(tokens: list[int], page: int) -> torch.Tensor:
-    values = torch.tensor(tokens[page * P : (page + 1) * P], dtype=torch.float32)
-    return values.view(1, 1, 1, P, 1).expand(LAYOUT.page_shape)
+    return expected_kv(tokens, page, LAYOUT.page_shape)
 
 
 def test_evicted_pages_go_down_and_the_index_hears_demotions(tiers):
-    prompt = _prompt(1, 4)
+    prompt = make_prompt(1, 4)
     tiers.serve(prompt + [9])  # 4 full pages published (the 5th is partial)
     tiers.cache.take_events()
     assert tiers.cache.evict(100) == 4
@@ -97,7 +82,7 @@ def test_evicted_pages_go_down_and_the_index_hears_demotions(tiers):
 def test_a_leaf_going_down_takes_its_prefix_along_up(tiers):
     """Host memory evicts the leaf first; the disk keeps whole prefixes, so the pages above
     it are written too (marked up: still in host memory, not the index's business)."""
-    prompt = _prompt(2, 3)
+    prompt = make_prompt(2, 3)
     tiers.serve(prompt + [1])
     tiers.cache.take_events()
     assert tiers.cache.evict(1) == 1
@@ -117,7 +102,7 @@ def test_a_leaf_going_down_takes_its_prefix_along_up(tiers):
 def test_write_through_writes_at_publish(tmp_path):
     t = Tiers(tmp_path / "d", policy="write_through")
     try:
-        prompt = _prompt(3, 2)
+        prompt = make_prompt(3, 2)
         t.serve(prompt + [5])
         assert t.disk.stats()["pages"] == 2 and t.disk.stats()["up"] == 2
         written = t.disk.stats()["bytes_written"]
@@ -134,7 +119,7 @@ def test_a_full_disk_evicts_its_own_leaves_and_says_so(tmp_path):
     t = Tiers(tmp_path / "d", disk_pages=3)
     try:
         for seed in range(4):
-            t.serve(_prompt(10 + seed, 2) + [1])
+            t.serve(make_prompt(10 + seed, 2) + [1])
             t.cache.evict(100)
             t.check()
         events = t.cache.take_events()
@@ -152,7 +137,7 @@ def test_a_disk_record_held_elsewhere_goes_before_older_ones(tmp_path):
     try:
         places = []
         for seed in range(4):  # one page each, down to disk in turn: disk full
-            t.serve(_prompt(20 + seed, 1) + [1])
+            t.serve(make_prompt(20 + seed, 1) + [1])
             t.cache.take_events()
             t.cache.evict(100)
             [demoted] = t.cache.take_events()
@@ -160,7 +145,7 @@ def test_a_disk_record_held_elsewhere_goes_before_older_ones(tmp_path):
         second, generation = places[1]  # not the oldest record: that one, LRU would take
         assert t.cache.held_elsewhere([second], [generation + 1]) == 0  # rewritten since
         assert t.cache.held_elsewhere([second], [generation]) == 1
-        t.serve(_prompt(30, 1) + [1])
+        t.serve(make_prompt(30, 1) + [1])
         t.cache.evict(100)  # the disk makes room for it
         removed = [e for e in t.cache.take_events() if isinstance(e, PagesRemoved)]
         assert [(e.page_ids, e.tier) for e in removed] == [((second,), "disk")]
@@ -172,7 +157,7 @@ def test_a_disk_record_held_elsewhere_goes_before_older_ones(tmp_path):
 
 def test_a_reopened_disk_is_announced_as_disk_chains(tmp_path):
     first = Tiers(tmp_path / "d")
-    prompt = _prompt(4, 3)
+    prompt = make_prompt(4, 3)
     first.serve(prompt + [2])
     first.cache.evict(100)
     first.close()
@@ -195,7 +180,7 @@ def test_a_reopened_disk_is_announced_as_disk_chains(tmp_path):
 
 
 def test_dropped_and_cleared_pages_leave_the_disk_too(tiers):
-    a, b = _prompt(5, 2), _prompt(6, 2)
+    a, b = make_prompt(5, 2), make_prompt(6, 2)
     pages_a = tiers.serve(a + [1])
     tiers.serve(b + [1])
     tiers.cache.evict(1)  # b's leaf (or a's) goes down, with its prefix

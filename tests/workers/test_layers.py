@@ -4,7 +4,8 @@ module of it loads, and so what it may depend on.
     engines/  worker.py  actor.py (Ray)       the members' own compute, and the Ray seam
          \\      |      /
           member.py   api.py                  one mesh member; the typed seam
-          disk_link.py                        its disk tier under host memory
+          disk_link.py  host_link.py          its tier below: disk under host memory,
+          tier_link.py                        host memory under a device; what they share
          /    |    \\    \\
     service/ transfer/ serving/               the service link, moving pages, serving
          \\      |      /
@@ -79,8 +80,11 @@ FORBIDDEN = {
     "workers.errors": ["torch", "numpy", "ray", "zmq", "workers.serving", "workers.member"],
     "workers.serving.compaction.config": ["torch", "ray", "zmq"],
     "workers.cache.disk_settings": ["torch", "ray", "zmq", "numpy"],
-    # The disk below host memory: cache, store and transfer glued, like the member.
-    "workers.disk_link": ["ray", "transformers", "workers.serving", *ABOVE_MEMBER],
+    # The tiers below the cache's store: cache, store and transfer glued, like the member.
+    **{
+        module: ["ray", "transformers", "workers.serving", *ABOVE_MEMBER]
+        for module in ("workers.disk_link", "workers.host_link", "workers.tier_link")
+    },
     "workers.store.layout": ["torch", "ray", "zmq"],
     # CUDA IPC is loaded only for a CUDA store, when one is placed or opened.
     "workers.store.page_store": ["ray", "zmq", "workers.store.cuda_ipc"],

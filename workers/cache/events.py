@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from cache_service.events import Namespace, PagesStored
+from cache_service.events import DEFAULT_TIER, Namespace, PagesStored
 from cache_service.tokens import PackedTokens
 from workers.cache.trie import Trie
 from workers.store.page_pool import PageAllocator
@@ -33,14 +33,18 @@ def stored_event(
     pages: list[int],
     key: bytes,
     generations: Generations,
+    tier: str = DEFAULT_TIER,
 ) -> PagesStored:
-    """The event announcing `pages` (token ids `key`, packed) under `parent_page`."""
+    """The event announcing `pages` (token ids `key`, packed) under `parent_page`, in `tier`."""
     gens = tuple(generations(pages))
-    return PagesStored(namespace, parent_page, tuple(pages), gens, PackedTokens(key))
+    return PagesStored(namespace, parent_page, tuple(pages), gens, PackedTokens(key), tier)
 
 
-def published_chains(trie: Trie, generations: Generations) -> list[PagesStored]:
-    """Every published page of `trie` as PagesStored chains, parents before children.
+def published_chains(
+    trie: Trie, generations: Generations, tier: str = DEFAULT_TIER
+) -> list[PagesStored]:
+    """Every published page of `trie` as PagesStored chains in `tier`, parents before
+    children.
 
     A chain runs on while a page has exactly one published child, across runs.
     """
@@ -59,7 +63,7 @@ def published_chains(trie: Trie, generations: Generations) -> list[PagesStored]:
                 chain.append(kids[0])
             pages = [page for part in chain for page in part.pages]
             key = b"".join(part.key for part in chain)
-            chains.append(stored_event(namespace, parent_page, pages, key, generations))
+            chains.append(stored_event(namespace, parent_page, pages, key, generations, tier))
             last = chain[-1].pages[-1]
             stack.extend((kid, last) for kid in chain[-1].iter_children())
     return chains

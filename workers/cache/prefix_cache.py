@@ -42,6 +42,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from cache_service.events import (
+    DEFAULT_TIER,
+    TIERS,
     AllCleared,
     KvEvent,
     Namespace,
@@ -78,9 +80,13 @@ class PrefixCache:
         allocator: PageAllocator,
         config: PrefixCacheConfig | None = None,
         lower: LowerTier | None = None,
+        tier: str = DEFAULT_TIER,
     ):
         """`lower`: the tier evicted pages go down to (`workers.cache.tiers`); None: an
-        evicted page is gone from the worker."""
+        evicted page is gone from the worker. `tier`: the allocator's pages' tier in
+        events ("device" on a GPU worker, whose host store is then the tier below)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
         self.config = config or PrefixCacheConfig()
         self.page_tokens = self.config.page_tokens
         self._allocator = allocator
@@ -99,6 +105,7 @@ class PrefixCache:
         self._live: dict[int, Allocation] = {}
         self._events: list[KvEvent] = []
         self._stats = CacheStats()
+        self.tier = tier
         self.lower = lower
         if lower is not None:
             lower.attach(self._emit)
@@ -202,7 +209,7 @@ class PrefixCache:
             if not any(self._trie.published_runs()):
                 self._events.append(AllCleared())
             elif removed:
-                self._events.append(PagesRemoved(tuple(removed), "cleared"))
+                self._events.append(PagesRemoved(tuple(removed), "cleared", self.tier))
             return len(removed)
 
     def drop(self, pages: Iterable[int], reason: str = "quarantined") -> tuple[int, int]:
@@ -224,7 +231,7 @@ class PrefixCache:
                     self.lower.dropped(dropped.digests, reason)
                 self._allocator.free(removed)
                 self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
-                self._events.append(PagesRemoved(tuple(removed), reason))
+                self._events.append(PagesRemoved(tuple(removed), reason, self.tier))
             return len(removed), dropped.held
 
     def _emit(self, event: KvEvent) -> None:
@@ -249,7 +256,7 @@ class PrefixCache:
         with self._lock:
             if drain_events:
                 self._events = []
-            chains = published_chains(self._trie, self._generations)
+            chains = published_chains(self._trie, self._generations, self.tier)
             if self.lower is not None:
                 host = {
                     digest: page
@@ -461,7 +468,9 @@ class PrefixCache:
             # hear of the pages: the event below is what announces them.
             self._set_digests(pages, digests)
         parent_page = allocation.pages[start - 1] if start else None
-        event = stored_event(allocation.namespace, parent_page, pages, key, self._generations)
+        event = stored_event(
+            allocation.namespace, parent_page, pages, key, self._generations, self.tier
+        )
         self._events.append(event)
         self._stats.published_pages += len(pages)
         if self.lower is not None:
@@ -548,14 +557,14 @@ class PrefixCache:
             )
         if gone:
             self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(gone)
-            self._events.append(PagesRemoved(tuple(gone), reason))
+            self._events.append(PagesRemoved(tuple(gone), reason, self.tier))
         return removed
 
     def _removed(self, removed: list[int], reason: str, emit: bool) -> None:
         self._allocator.free(removed)
         self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(removed)
         if emit:
-            self._events.append(PagesRemoved(tuple(removed), reason))
+            self._events.append(PagesRemoved(tuple(removed), reason, self.tier))
 
     # ------------------------------------------------------------------ integrity
 

@@ -67,6 +67,11 @@ class ReadRate:
         with self._lock:
             return self.latency_s + nbytes * self._seconds_per_byte
 
+    def start_from(self, latency_s: float, bytes_per_s: float) -> None:
+        """Start from a rate measured elsewhere (a tier that is not a directory's files)."""
+        with self._lock:
+            self.latency_s, self._seconds_per_byte = latency_s, 1 / max(bytes_per_s, 1.0)
+
     def observe(self, nbytes: int, seconds: float) -> None:
         """Fold one whole read of `nbytes` that took `seconds` into the rate."""
         if nbytes <= 0:

@@ -33,9 +33,7 @@ import logging
 import threading
 import time
 import zlib
-from collections import Counter
-from collections.abc import Iterable, Sequence
-from itertools import islice
+from collections.abc import Iterable
 from pathlib import Path
 
 from cache_service.events import Namespace
@@ -47,6 +45,7 @@ from workers.store.disk_index import DiskIndex
 from workers.store.disk_rate import ReadRate
 from workers.store.disk_records import DiskRecord, DiskTierError, RecordCodec
 from workers.store.layout import StoreLayout
+from workers.store.record_tables import RecordTables
 
 __all__ = ["DiskRecord", "DiskTier", "DiskTierError"]
 
@@ -55,7 +54,7 @@ log = logging.getLogger(__name__)
 RETRY_S = 30.0  # after a failed write: long enough not to hammer a full or dying disk
 
 
-class DiskTier:
+class DiskTier(RecordTables):
     """A worker's pages on local disk, in one locked directory. Thread-safe.
 
     Build one with `DiskTier.open`. Attributes: `adopted` (records found valid at open,
@@ -67,19 +66,15 @@ class DiskTier:
         self, file: DataFile, codec: RecordCodec, capacity: int, adoption: Adoption, rate: ReadRate
     ):
         """Private: use `DiskTier.open`."""
+        super().__init__(capacity)
         self.directory = file.directory
         self.layout = codec.layout
-        self.capacity = capacity
         self.adopted = adoption.records
         self.dropped = adoption.dropped
         self.retry_s = RETRY_S
         self._file, self._codec, self._rate = file, codec, rate
-        self._lock = threading.Lock()  # the index, counters and removed list
         self._write_lock = threading.Lock()  # slot I/O of writers and removers; before _lock
         self._index = DiskIndex(capacity, adoption.generations, adoption.records)
-        self._removed: list[tuple[DiskRecord, str]] = []
-        self._counts: Counter[str] = Counter()
-        self._evictions: Counter[str] = Counter()
         self._accepting = True
         self._failed_at = 0.0
         self._closed = False
@@ -135,42 +130,8 @@ class DiskTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- finding records ---------------------------------------------------------------
+    # -- the data file --------------------------------------------------------------------
 
-    def lookup(self, digest: bytes) -> DiskRecord | None:
-        """The record held under `digest`, or None. Does not touch it (a lookup is not a use)."""
-        with self._lock:
-            return self._index.get(digest)
-
-    def chain(self, digests: Sequence[bytes], start: int) -> list[DiskRecord]:
-        """The records of `digests[start]`, `digests[start + 1]`, ... up to the first one
-        not held (so a run that continues a match found in a tier above)."""
-        records = []
-        with self._lock:
-            for digest in islice(digests, start, None):
-                record = self._index.get(digest)
-                if record is None:
-                    break
-                records.append(record)
-        return records
-
-    def records(self) -> list[DiskRecord]:
-        """Every record held, parents before children (shallower first)."""
-        with self._lock:
-            held = [self._index.get(d) for d in self._index.digests()]
-        return sorted((r for r in held if r is not None), key=lambda r: (r.depth, r.slot))
-
-    def record_at(self, slot: int) -> DiskRecord | None:
-        """The record held in `slot` now, or None (free, being written, or no such slot)."""
-        with self._lock:
-            return self._index.at(slot)
-
-    def is_up(self, digest: bytes) -> bool:
-        """Whether the page of `digest` is marked up (in the host tier too)."""
-        with self._lock:
-            return digest in self._index.up
-
-    @property
     def data_path(self) -> Path:
         """The data file (tests and benchmarks damage records in it on purpose)."""
         return self.directory / DATA_NAME
@@ -270,28 +231,6 @@ class DiskTier:
                 f"digest {digest.hex()} does not follow from parent {parent.hex()} and the "
                 f"tokens (depth {depth}, namespace {namespace})"
             )
-
-    def _take_slot(self, parent: bytes, namespace: Namespace, depth: int) -> int | None:
-        """A busy slot for a new record (evicting one leaf if none is free); None if no
-        room, no parent on disk, or not accepting. Holds _lock."""
-        if not self._accepting_now():
-            return None
-        if depth > 1:
-            above = self._index.get(parent)
-            if above is None or above.depth != depth - 1 or above.namespace != namespace:
-                return None
-        slot = self._index.take_free()
-        if slot is not None:
-            return slot
-        victim = self._index.pop_leaf(exclude=parent)
-        if victim is None:
-            return None
-        if self._index.is_marked(victim.digest):
-            self._counts["marked_evicted"] += 1
-        self._index.drop(victim)
-        self._evictions["evicted"] += 1
-        self._removed.append((victim, "evicted"))
-        return victim.slot
 
     def _accepting_now(self) -> bool:
         if not self._accepting and time.monotonic() - self._failed_at >= self.retry_s:
@@ -395,11 +334,7 @@ class DiskTier:
         with self._lock:
             if self._closed:
                 return []
-            doomed = self._index.subtrees(digests)
-            for record in doomed:
-                self._index.drop(record)
-            if doomed:
-                self._evictions[reason] += len(doomed)
+            doomed = self._drop_subtrees(digests, reason)
         for record in doomed:  # children first, so a kill midway leaves a closed prefix
             try:
                 self._file.invalidate(record.slot)
@@ -410,29 +345,6 @@ class DiskTier:
             for record in doomed:
                 self._index.release(record.slot)
         return doomed
-
-    def mark(self, slot: int, generation: int) -> bool:
-        """Mark the record in `slot`, if it is still the one at `generation`: another
-        worker has stored its page since, so it goes before unmarked records when the tier
-        makes room (until it is read or written again). Returns whether it was marked."""
-        with self._lock:
-            record = self._index.at(slot)
-            if record is None or record.generation != generation:
-                return False
-            return self._index.mark(record.digest)
-
-    def take_removed(self) -> list[tuple[DiskRecord, str]]:
-        """Records the tier removed on its own since the last call (evicted to make room,
-        found corrupt on read), each with its reason, for the owner's events."""
-        with self._lock:
-            removed, self._removed = self._removed, []
-        return removed
-
-    def set_up(self, digest: bytes, up: bool) -> None:
-        """Mark a held page as also in the host tier (up: never evicted from disk) or no
-        longer; a digest not held is ignored."""
-        with self._lock:
-            self._index.set_up(digest, up)
 
     # -- rates, stats, checks, closing -------------------------------------------------
 
@@ -465,45 +377,12 @@ class DiskTier:
         with self._write_lock:
             self._file.drop_page_cache()
 
-    def stats(self) -> dict:
-        """Counts and rates for metrics: pages, capacity, free, up, bytes and operations,
-        failures, whether the tier accepts pages, dropped and removed records by reason,
-        and the read-rate estimate."""
-        with self._lock:
-            counts = self._counts
-            stats = {
-                "pages": len(self._index),
-                "capacity": self.capacity,
-                "free": self._index.num_free,
-                "up": len(self._index.up),
-                "adopted": len(self.adopted),
-                **{
-                    name: counts[name]
-                    for name in (
-                        "bytes_written",
-                        "bytes_read",
-                        "writes",
-                        "reads",
-                        "read_failures",
-                        "write_failures",
-                        "writes_refused",
-                        "marked_evicted",
-                    )
-                },
-                "accepting": self._accepting,
-                "dropped": dict(self.dropped),
-                "evictions": dict(self._evictions),
-            }
-        stats["read_bytes_per_s"] = self._rate.bytes_per_s
-        stats["read_latency_s"] = self._rate.latency_s
-        return stats
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless the tables agree (`DiskIndex.check_integrity`): free +
-        held + in-flight slots make the capacity, digest map and slot table agree, child
-        counts are right, every held record's parent is held, the up set is within it."""
-        with self._lock:
-            self._index.check_integrity()
+    def _more_stats(self) -> dict:
+        return {
+            "adopted": len(self.adopted),
+            "accepting": self._accepting,
+            "dropped": dict(self.dropped),
+        }
 
     def close(self, remove_files: bool = False) -> None:
         """Release the directory's lock (a later `open` adopts what is left).

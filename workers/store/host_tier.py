@@ -1,0 +1,249 @@
+"""The host tier under a device store: pages a GPU worker's device evicts, kept in host
+shared memory and found again by digest.
+
+A GPU worker's prefix cache keeps its pages in a device store (the top tier). When it
+evicts one, `workers.host_link` writes it down here: into a page of the host store (the
+shared-memory store a CPU worker uses as its page store), copied with validation
+(`workers.store.staging.write_back`: generation before, copy, generation after, digest),
+and recorded under its chain digest. A hit loads it back the same way
+(`staging.load_back`), several pages in one bulk copy.
+
+The records are kept by the same tables as the disk's (`record_tables`, `disk_index`):
+prefix-closed, `up` records (still on the device too) never evicted, leaves least recently
+used first, records held elsewhere before the rest. A slot is a host page: the tier owns
+every page of the host store from the start, so the store's own pool never hands one out,
+and a record's generation is its host page's generation in shared memory, the one a peer
+checks when it copies the page. A record dropped leaves its page's bytes and digest as
+they were until the slot is written again (which moves the generation first), so a peer
+that still copies it gets the very page its digest names, or a stale answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from cache_service.events import Namespace
+from workers.store.disk_index import DiskIndex
+from workers.store.disk_rate import ReadRate
+from workers.store.disk_records import DiskRecord
+from workers.store.page_store import SharedPageStore
+from workers.store.record_tables import RecordTables
+from workers.store.staging import load_back, staging_buffer, write_back
+
+__all__ = ["HostTier"]
+
+STAGING_PAGES = 32  # one staging buffer per tier, reused: pinning memory costs more than a copy
+
+
+class HostTier(RecordTables):
+    """Records of device pages in the host store below (see the module docstring).
+
+    Args:
+        device: the device store above (owned here); pages are read from it going down
+            and written into it coming back.
+        host: a fresh host shared-memory store of the same page format (owned here, no
+            page allocated yet): the tier takes all of its pages.
+
+    Raises:
+        ValueError: stores of different page formats, a host store whose pages are not in
+            shared memory, or one with pages allocated already.
+    """
+
+    def __init__(self, device: SharedPageStore, host: SharedPageStore):
+        if device.layout.kv_format != host.layout.kv_format:
+            raise ValueError(
+                f"a host tier of {host.layout.kv_format} under a device store of "
+                f"{device.layout.kv_format}"
+            )
+        if not host.pages_in_segment:
+            raise ValueError(f"host tier {host.name!r}: its pages must be in shared memory")
+        if host.num_free != host.num_pages:
+            raise ValueError(
+                f"host tier {host.name!r}: {host.num_pages - host.num_free} of its "
+                f"{host.num_pages} pages are in use already"
+            )
+        super().__init__(host.num_pages)
+        self.device = device
+        self.host = host
+        self.layout = host.layout
+        taken = host.allocate(host.num_pages)
+        assert taken == list(range(host.num_pages)), "a fresh store hands out 0 .. n-1"
+        # The host store keeps the pages' generations; the index's own copies (bumped when
+        # it drops a record) are not read.
+        self._index = DiskIndex(host.num_pages, [0] * host.num_pages, ())
+        self._staging = staging_buffer(device, min(STAGING_PAGES, host.num_pages))
+        self._rate = ReadRate()
+        self._rate.start_from(*_measure(host, self._staging))
+
+    # -- writing -----------------------------------------------------------------------
+
+    def write(
+        self,
+        page: int,
+        digest: bytes,
+        parent: bytes,
+        namespace: Namespace,
+        depth: int,
+        tokens: bytes,
+    ) -> DiskRecord | None:
+        """Copy device page `page` (published, its digest recorded) down into a host page.
+
+        Args:
+            page: the device page, owned and intact during the call.
+            digest: its chain digest, as the device store records it.
+            parent: the previous page's digest; for depth 1 the namespace's root digest.
+            namespace: the page's namespace.
+            depth: pages from the root, 1 = first page.
+            tokens: the page's token ids, packed.
+
+        Returns:
+            The record (the one already held if the digest is here: no rewrite), or None
+            with nothing changed: no room (every candidate is up or has children), a
+            parent not held (depth > 1), or a device page that does not hold `digest`.
+            Evicted records go to `take_removed()` ("evicted").
+        """
+        with self._lock:
+            held = self._index.get(digest)
+            if held is not None:
+                self._index.touch(digest)
+                return held
+            slot = self._take_slot(parent, namespace, depth)
+            if slot is None:
+                self._counts["writes_refused"] += 1
+                return None
+            generation = self.device.generation(page)
+            copied = write_back(
+                self.device, [page], [generation], self.host, [slot], [digest], self._staging
+            )
+            if not copied.valid[0]:
+                self._index.release(slot)
+                self._counts["write_failures"] += 1
+                return None
+            record = DiskRecord(
+                slot, self.host.generation(slot), digest, parent, namespace, depth, tokens
+            )
+            self._index.hold(record)
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += self.layout.page_bytes
+            return record
+
+    # -- reading -----------------------------------------------------------------------
+
+    def load(
+        self, records: Sequence[DiskRecord], store: SharedPageStore, targets: Sequence[int]
+    ) -> list[bool]:
+        """Copy the pages of `records` up into `targets` of `store` (the device store), in
+        bulk, each validated (its record still held, its host page at the record's
+        generation and digest). The usable prefix ends at the first page that fails: the
+        pages after it are reported invalid.
+
+        Raises:
+            ValueError: lengths that differ, or targets `store` cannot write.
+        """
+        if len(records) != len(targets):
+            raise ValueError(f"{len(records)} records for {len(targets)} target pages")
+        valid: list[bool] = []
+        step = len(self._staging)
+        for at in range(0, len(records), step):
+            part = list(records[at : at + step])
+            with self._lock:
+                held = [self._index.holds(record) for record in part]
+            usable = part[: held.index(False)] if False in held else part
+            copied = self._load_part(usable, store, targets[at : at + len(usable)])
+            good = copied.index(False) if False in copied else len(copied)
+            with self._lock:
+                for record in usable[:good]:
+                    if self._index.holds(record):
+                        self._index.touch(record.digest)
+                self._counts["reads"] += good
+                self._counts["bytes_read"] += good * self.layout.page_bytes
+            valid += [True] * good
+            if good < len(part):
+                break
+        failed = len(records) - len(valid)
+        if failed:
+            with self._lock:
+                self._counts["read_failures"] += failed
+        return valid + [False] * failed
+
+    def _load_part(
+        self, records: Sequence[DiskRecord], store: SharedPageStore, targets: Sequence[int]
+    ) -> list[bool]:
+        if not records:
+            return []
+        started = time.perf_counter()
+        copied = load_back(
+            self.host,
+            [r.slot for r in records],
+            [r.generation for r in records],
+            store,
+            targets,
+            [r.digest for r in records],
+            self._staging,
+        )
+        self._rate.observe(len(records) * self.layout.page_bytes, time.perf_counter() - started)
+        return copied.valid
+
+    # -- removing ----------------------------------------------------------------------
+
+    def remove(self, digests: Iterable[bytes], reason: str) -> list[DiskRecord]:
+        """Drop the records of `digests` (those held) and every record below them.
+
+        Returns:
+            The removed records, children before their parents. They are not repeated
+            by `take_removed()`.
+        """
+        with self._lock:
+            doomed = self._drop_subtrees(digests, reason)
+            for record in doomed:
+                self._index.release(record.slot)
+        return doomed
+
+    def clear(self) -> int:
+        """Remove every record ("cleared"); returns how many there were."""
+        with self._lock:
+            everything = self._index.digests()
+        return len(self.remove(everything, "cleared"))
+
+    # -- rates, stats ------------------------------------------------------------------
+
+    def read_seconds(self, nbytes: int) -> float:
+        """Estimated seconds to load `nbytes` back: latency + bytes / rate."""
+        return self._rate.seconds(nbytes)
+
+    def check_integrity(self) -> None:
+        """The tables' checks (`RecordTables.check_integrity`), and every record's host
+        page still at the record's generation and digest."""
+        super().check_integrity()
+        for record in self.records():
+            assert self.host.generation(record.slot) == record.generation, (
+                f"host page {record.slot} moved past its record's generation {record.generation}"
+            )
+            assert self.host.digests([record.slot])[0] == record.digest, (
+                f"host page {record.slot} does not hold its record's digest"
+            )
+
+
+def _measure(host: SharedPageStore, staging: torch.Tensor) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of a plain copy out of host pages, one and several, to
+    start the load-back estimate from; loads keep it current."""
+    n = len(staging)
+    pages = host.page_range(0, n)
+
+    def best(k: int) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            staging[:k].copy_(pages[:k])
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    one, many = best(1), best(n)
+    page_bytes = host.layout.page_bytes
+    if n == 1:
+        return 0.0, page_bytes / max(one, 1e-9)
+    per_page = max((many - one) / (n - 1), 1e-9)
+    return max(one - per_page, 0.0), page_bytes / per_page
