@@ -47,6 +47,7 @@ def worker_settings(cfg: KvmeshConfig, keys: MeshKeys, worker_id: str) -> Worker
         mesh_secret=keys.secret,
         encrypt_pages=cfg.security.encrypt_pages,
         disk=cfg.store.disk.settings(cfg.store_layout().page_bytes),
+        device=cfg.store.device_settings(),
     )
 
 

@@ -22,6 +22,7 @@ from cache_service.routing import DEFAULT_POLICY
 from cache_service.routing import POLICIES as ROUTING_POLICIES
 from cache_service.server import ServerConfig
 from workers.api import DEFAULT_TIMEOUT_S, check_timeout
+from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import POLICIES as DISK_POLICIES
 from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
@@ -111,18 +112,40 @@ class StoreConfig:
     # 2,048 pages of 16 tokens = 32,768 tokens; for SmolLM2 in fp32 a page is 720 KiB,
     # so the store takes 1.4 GiB of shared memory per worker.
     num_pages: int = 2048
-    # Where pages live. Only "cpu" (the shared-memory store) until device pages exist.
+    # Where pages live: "cpu" keeps them in host shared memory (num_pages of them), as on
+    # every CPU node. "cuda" (or "cuda:N") puts a device tier of device_pages on the
+    # worker's GPU above host memory, which then holds the pages the device evicts;
+    # "auto" does that where the worker has a GPU and stays "cpu" elsewhere (a mesh may
+    # mix them). The model runs where the pages are.
     device: str = "cpu"
+    device_pages: int = 0
     disk: DiskConfig = field(default_factory=DiskConfig)  # the tier below host memory
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:
             raise ConfigError(f"store.num_pages must be positive, got {self.num_pages}")
-        if self.device != "cpu":
+        if self.device == "cpu":
+            if self.device_pages:
+                raise ConfigError(
+                    f"store.device_pages {self.device_pages} needs store.device cuda or auto "
+                    "(with cpu, pages live in host shared memory: store.num_pages)"
+                )
+            return
+        try:
+            DeviceSettings(self.device, self.device_pages)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.disk.enabled:
             raise ConfigError(
-                f"store.device {self.device!r} is not supported: pages live in host shared "
-                "memory ('cpu') for now"
+                f"store.device {self.device!r} with store.disk: a worker with a device tier "
+                "keeps host memory as its lowest tier; set one of them"
             )
+
+    def device_settings(self) -> DeviceSettings | None:
+        """The worker's device tier (None: none, host shared memory is its page store)."""
+        if self.device == "cpu":
+            return None
+        return DeviceSettings(self.device, self.device_pages)
 
 
 @dataclass(frozen=True)

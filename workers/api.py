@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cache_service.auth import KeyPair
+from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.errors import DeadlineExceeded, RequestCancelled, RequestEnded, ServingStopped
@@ -118,6 +119,9 @@ class WorkerSettings:
     compaction: CompactionConfig = CompactionConfig()
     # Its disk tier below host memory (None: none).
     disk: DiskSettings | None = None
+    # Its device tier above host memory, where its model runs too (None: none; the host
+    # store is then its page store and the model runs on the CPU).
+    device: DeviceSettings | None = None
 
 
 @dataclass(frozen=True)

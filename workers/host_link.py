@@ -41,6 +41,18 @@ class HostLink(TierLink):
         super().__init__(tier, tier.device, "write_back", holder)
         self.tier = tier
 
+    def read_page(self, page: int, generation: int, out: bytearray) -> bytes | None:
+        """A peer's read of host page `page` (an id of this tier) through the page server:
+        into `out`, if the record of `generation` is still there and copies validated; the
+        record's digest then (the peer checks it is the one it expects), else None."""
+        record = self.tier.record_at(page - self.id_base)
+        if record is None or record.generation != generation:
+            return None
+        if not self.tier.read(record, out):
+            return None
+        self.counters.read(len(out))
+        return record.digest
+
     def source(self) -> HostSource:
         return HostSource(self)
 
@@ -89,4 +101,3 @@ class HostSource:
 
     def close(self) -> None:
         pass
-

@@ -2,7 +2,9 @@
 
 A member holds KV pages and shares them. It is, in the order it is built:
 
-    store       SharedPageStore      its pages, in a named shared-memory segment
+    store       SharedPageStore      its pages, in a named shared-memory segment (or on its
+                                     device, with host shared memory below: `tier_setup`)
+    below       TierLink             the tier under the store: disk, or host memory
     cache       PrefixCache          which pages hold which prompts (the local trie)
     page_server PageServer           peers on other nodes read its pages here
     client      ServiceClient        matches and registry lookups, on the request path
@@ -47,9 +49,10 @@ from typing import Any
 from cache_service.auth import KeyPair
 from cache_service.events import Namespace
 from cache_service.messages import HolderSpan, WorkerReport
+from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import default_directory, mesh_key
 from workers.cache.prefix_cache import Allocation, PrefixCache, PrefixCacheConfig
-from workers.disk_link import DiskLink, DiskSettings, open_disk
+from workers.disk_link import DiskLink, DiskSettings
 from workers.peer_lookup import look_up_peer
 from workers.service.client import (
     SERVICE_BACKOFF_S,
@@ -62,8 +65,8 @@ from workers.service.figures import WorkerFigures
 from workers.service.publisher import EventPublisher
 from workers.store.digests import EMPTY_DIGEST, page_digests
 from workers.store.layout import StoreLayout
-from workers.store.page_store import SharedPageStore
-from workers.store.segment_names import reclaim_dead_segments, worker_tag
+from workers.store.segment_names import reclaim_dead_segments
+from workers.tier_setup import close_tiers, open_tiers
 from workers.transfer.copy_in import CopyExecutor, CopyPlan, Sources, plan_copy
 from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
 from workers.transfer.page_server import PageServer
@@ -103,6 +106,7 @@ class Membership:
         spot_check_rate: of copies from holders checked before, the share spot-checked
             (`workers.transfer.spot_check`; copies from others are always checked).
         disk: its disk tier below host memory (None: none).
+        device: its device tier above host memory (None: none; `tier_setup`).
     """
 
     worker_id: str
@@ -118,6 +122,7 @@ class Membership:
     service_backoff_s: float = SERVICE_BACKOFF_S
     spot_check_rate: float = SPOT_CHECK_RATE
     disk: DiskSettings | None = None
+    device: DeviceSettings | None = None
 
     def transfer_auth(self) -> TransferAuth | None:
         """Its credentials for page servers, and its own page server's (None: no auth)."""
@@ -156,14 +161,16 @@ class MeshMember:
         # A restarted member's predecessor (or any dead member on this node) could not
         # unlink its store: that memory comes back before ours is taken.
         reclaim_dead_segments()
-        self.store = SharedPageStore.create(layout, tag=worker_tag(self.worker_id))
-        self.disk: DiskLink | None = None
+        self.tiers = open_tiers(
+            self.worker_id, layout, membership.device, membership.disk, membership.secret
+        )
+        self.store, self.below = self.tiers.store, self.tiers.below
+        self.disk = self.below if isinstance(self.below, DiskLink) else None
+        on_device = self.tiers.host is not None
         try:
-            if membership.disk is not None:
-                self.disk = open_disk(
-                    membership.disk, membership.secret, self.worker_id, layout, self.store
-                )
-            self.cache = PrefixCache(self.store, cache, lower=self.disk)
+            self.cache = PrefixCache(
+                self.store, cache, lower=self.below, tier="device" if on_device else "host"
+            )
             self.figures = WorkerFigures()  # prompt tokens, copies, TTFT: in every heartbeat
             self.auth = membership.transfer_auth()
             self.page_server = PageServer(
@@ -171,12 +178,10 @@ class MeshMember:
                 host=membership.page_host,
                 auth=self.auth,
                 late_readers=membership.late_readers,
-                disk=self.disk,
+                disk=self.below,
             )
         except BaseException:
-            if self.disk is not None:
-                self.disk.disk.close()
-            self.store.close()
+            close_tiers(self.tiers)
             raise
         keys, backoff = membership.keypair, membership.service_backoff_s
         # On the request path: one short try, then skip the service for a while (a
@@ -198,13 +203,14 @@ class MeshMember:
             self.worker_id,
             self.node_id,
             address=self.page_server.address,
-            shm_name=self.store.name,
+            # Pages outside shared memory (a device store): peers use its page server.
+            shm_name=self.store.name if self.store.pages_in_segment else "",
             page_key=None if keys is None else keys.public,
             load=active,
             report=self._report,
             on_new_service=self.client.reconnect,
-            # Every tier's pages are its own in the index: host and disk together.
-            capacity=layout.num_pages + (0 if self.disk is None else self.disk.disk.capacity),
+            # Every tier's pages are its own in the index: all its tiers together.
+            capacity=self.store.num_pages + (0 if self.below is None else self.below.capacity),
         )
         self._load = load
         self.peers = Peers(self.worker_id, lambda w: look_up_peer(self.client, w), PEER_TTL_S)
@@ -245,7 +251,7 @@ class MeshMember:
         return PeerInfo(
             self.worker_id,
             self.node_id,
-            self.store.name,
+            self.store.name if self.store.pages_in_segment else "",
             self.page_server.address,
             None if keys is None else keys.public,
         )
@@ -309,8 +315,8 @@ class MeshMember:
                 (`workers.transfer.spot_check.SpotCheck`), for a caller with a model that
                 runs each one's token in its next pass and then judges it (None: no
                 checks, as an engine, which has no model of its own).
-            tally: where to count the pages loaded from its own disk (["disk"]), which are
-                hits of its own, not copies.
+            tally: where to count the pages loaded from its own tier below, by its name
+                (["disk"] or ["host"]): hits of its own, not copies.
         """
         p = self.store.layout.page_tokens
         first = allocation.cached_tokens // p
@@ -322,6 +328,7 @@ class MeshMember:
         spans, owner = held.spans, held.owners
         links = {w: self.links.link(w, peer.node_id != self.node_id) for w, peer in peers.items()}
         own_disk = None if self.disk is None else self.disk.link()
+        below = self.below
         for key in held.disk:  # a peer's disk: a disk read (behind its link, across nodes)
             prior = disk_prior(links[owner[key]], own_disk)
             links[key] = self.links.link(key, prior.remote, prior)
@@ -330,14 +337,14 @@ class MeshMember:
         # here only when the own disk is looked up by them; else once a plan exists.
         expected: list[bytes] | None = None
         sources: dict[str, Any] = {}
-        disk = None
-        if self.disk is not None:
+        own = None
+        if below is not None:
             expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
-            disk = self.disk.span(expected, first)
-        if disk is not None:  # this worker's own disk continues the prompt: a holder too
-            spans = [disk, *spans]
-            links[disk.worker_id] = self.disk.link()
-            sources[disk.worker_id] = self.disk.source()
+            own = below.span(expected, first)
+        if own is not None:  # its own tier below continues the prompt: a holder too
+            spans = [own, *spans]
+            links[own.worker_id] = below.link()
+            sources[own.worker_id] = below.source()
         page_bytes = self.store.layout.page_bytes
         tasks = plan_copy(spans, first, end, links, page_bytes, held.starts)
         if not tasks:
@@ -365,11 +372,11 @@ class MeshMember:
         outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
         end = outcome.end
         for result in outcome.results:
-            if disk is not None and result.task.holder == disk.worker_id:
+            if own is not None and result.task.holder == own.worker_id:
                 loaded = max(min(result.task.end, end) - result.task.first, 0)
-                self.disk.loaded(loaded, result.seconds, result.valid.count(False))
+                below.loaded(loaded, result.seconds, result.valid.count(False))
                 if tally is not None:
-                    tally["disk"] += loaded
+                    tally[below.name] += loaded
                 continue  # its own pages: verified records, no link, no spot check
             remote = sources[result.task.holder].remote
             nbytes = len(result.valid) * page_bytes
@@ -384,7 +391,7 @@ class MeshMember:
         ranges = [
             (owner[r.task.holder], r.task.first, min(r.task.end, end))
             for r in outcome.results
-            if disk is None or r.task.holder != disk.worker_id
+            if own is None or r.task.holder != own.worker_id
         ]
         ranges = [r for r in ranges if r[1] < r[2]]
         for holder, lo, hi in ranges:
@@ -543,7 +550,7 @@ class MeshMember:
             "spot_checks": checks["checks"],
             "spot_check_failures": checks["failures"],
         }
-        tiers = () if self.disk is None else (self.disk.figures(),)
+        tiers = () if self.below is None else (self.below.figures(),)
         return self.figures.report(self.cache.stats(), load, tiers)
 
     def stats(self) -> dict[str, Any]:
@@ -569,6 +576,7 @@ class MeshMember:
             "quarantined": sorted(self.quarantined),
             "dropped_pages": self.dropped_pages,
             "disk": None if self.disk is None else self.disk.stats(),
+            "host_tier": None if self.tiers.host is None else self.below.stats(),
         }
 
     def check_integrity(self) -> None:
@@ -579,8 +587,10 @@ class MeshMember:
         self.links.check_integrity()
         self.provenance.check(self.store.layout.num_pages)
         self.spot_checks.check()
-        if self.disk is not None:
-            self.disk.check_integrity()
+        if self.below is not None:
+            self.below.check_integrity()
+        if self.tiers.host is not None:
+            self.tiers.host.check_integrity()
 
     def close(self) -> None:
         """Say BYE, stop publishing and serving pages, close every source and client, and
@@ -590,6 +600,4 @@ class MeshMember:
         self.copier.close()
         self.sources.close()
         self.client.close()
-        self.store.close()
-        if self.disk is not None:
-            self.disk.close()
+        close_tiers(self.tiers)

@@ -97,6 +97,19 @@ class TierLink:
         """Write one page of the store above down; its record, or None (not taken)."""
         raise NotImplementedError
 
+    def source(self) -> Any:
+        """The `PageSource` (`workers.transfer.copy_in`) that loads its records into pages
+        of the store above, each verified."""
+        raise NotImplementedError
+
+    def read_page(self, page: int, generation: int, out: bytearray) -> bytes | None:
+        """A peer's read of page `page` (an id of this tier) through the page server
+        (`workers.transfer.peer_disk.ServedDisk`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
     # -- the prefix cache's side (LowerTier) --------------------------------------------
 
     def attach(self, emit: Callable[[KvEvent], None]) -> None:

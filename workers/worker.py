@@ -55,6 +55,7 @@ from workers.service.client import ServiceEndpoint, ray_resolver
 from workers.serving import models
 from workers.serving.batch_runner import BatchRunner
 from workers.serving.compaction import Compactor
+from workers.serving.device import on_device
 from workers.serving.loop import ServingLoop
 from workers.serving.model_loader import (
     default_cache_dir,
@@ -113,6 +114,7 @@ def membership(settings: WorkerSettings) -> Membership:
         publish_interval_s=settings.publish_interval_s,
         spot_check_rate=settings.spot_check_rate,
         disk=settings.disk,
+        device=settings.device,
     )
 
 
@@ -151,6 +153,11 @@ class Worker:
         )
         self.store, self.cache = self.member.store, self.member.cache
         try:
+            pages_on = self.store.device
+            if pages_on is not None and pages_on.type != "cpu":
+                # A device tier: the model, its passes and the sampler run where the pages
+                # are (in the dtype it was loaded in: `model.dtype`).
+                model = on_device(model, pages_on)
             # A store that cannot hold the model's KV fails here, before anything starts.
             self.batch_runner = BatchRunner(model, self.store)
             self.vocab_size = model.config.vocab_size
@@ -380,15 +387,16 @@ class Worker:
                 matched, spans = self.member.match(seq.namespace, tokens)
             else:  # without the mesh: its own tiers only
                 matched, spans = local, []
-            # Its own disk tier may hold more than the mesh's match: every full page but
+            # Its own tier below may hold more than the mesh's match: every full page but
             # the last token's is worth planning; the plan stops where holders stop.
-            reach = len(tokens) if self.member.disk is not None else matched
+            reach = len(tokens) if self.member.below is not None else matched
             end = min(reach, len(tokens) - 1) // p
             seq.checks = []  # run in its first pass (`Scheduler._check`)
             tally: Counter[str] = Counter()
             copied = self.member.copy_in(
                 allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks, tally
             )
+            seq.below_tokens = sum(tally.values()) * p
             seq.disk_tokens = tally["disk"] * p
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
@@ -405,21 +413,23 @@ class Worker:
 
     def _admitted(self, seq: Seq) -> None:
         """A request's first admission: its hits are known now (copies validated)."""
-        local, remote, disk = self._hits(seq)
+        local, remote, _ = self._hits(seq)
         figures = self.member.figures
         figures.admitted(seq.namespace.salt, local, remote, len(seq.prompt) - local - remote)
-        if disk and self.member.disk is not None:
-            self.member.disk.hit(disk)
+        own = min(seq.below_tokens, seq.hits[1])
+        if own and self.member.below is not None:
+            self.member.below.hit(own)
         if remote:
             figures.copy_took(seq.copy_s)
 
     @staticmethod
     def _hits(seq: Seq) -> tuple[int, int, int]:
         """(local, copied from peers, of the local: loaded from its disk) prompt tokens.
-        Pages loaded back from its own disk are its own hits, not copies."""
+        Pages loaded back from its own tier below (disk, or host memory under a device)
+        are its own hits, not copies."""
         local, copied = seq.hits
-        disk = min(seq.disk_tokens, copied)
-        return local + disk, copied - disk, disk
+        own = min(seq.below_tokens, copied)
+        return local + own, copied - own, min(seq.disk_tokens, own)
 
     def _finished(self, seq: Seq) -> None:
         if seq.first_token_at is not None and seq.error is None:

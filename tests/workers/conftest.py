@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from cache_service.server import ServerConfig, make_server
+from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import DiskSettings
 from workers.cache.prefix_cache import PrefixCacheConfig
 from workers.serving.model_loader import tiny_llama
@@ -35,6 +36,7 @@ def make_worker(
     disk: DiskSettings | None = None,
     secret: bytes = b"",
     share: bool = True,
+    device: DeviceSettings | None = None,
 ) -> Worker:
     """A worker in this process on `service` (the tiny model unless `model` is given),
     publishing only when told (`flush`). Copies whatever is cached by default: the tests
@@ -53,6 +55,7 @@ def make_worker(
         disk=disk,
         mesh_secret=secret,
         share=share,
+        device=device,
     )
     return Worker(settings, model=model if model is not None else tiny_llama(), tokenizer=None)
 

@@ -5,7 +5,8 @@ module of it loads, and so what it may depend on.
          \\      |      /
           member.py   api.py                  one mesh member; the typed seam
           disk_link.py  host_link.py          its tier below: disk under host memory,
-          tier_link.py                        host memory under a device; what they share
+          tier_link.py  tier_setup.py         host memory under a device; what they share;
+                                              the member's tiers opened together
          /    |    \\    \\
     service/ transfer/ serving/               the service link, moving pages, serving
          \\      |      /
@@ -79,11 +80,19 @@ FORBIDDEN = {
     # What a request ends with, read by the front door, the API and the engine alike.
     "workers.errors": ["torch", "numpy", "ray", "zmq", "workers.serving", "workers.member"],
     "workers.serving.compaction.config": ["torch", "ray", "zmq"],
-    "workers.cache.disk_settings": ["torch", "ray", "zmq", "numpy"],
+    **{
+        module: ["torch", "ray", "zmq", "numpy"]
+        for module in ("workers.cache.disk_settings", "workers.cache.device_settings")
+    },
     # The tiers below the cache's store: cache, store and transfer glued, like the member.
     **{
         module: ["ray", "transformers", "workers.serving", *ABOVE_MEMBER]
-        for module in ("workers.disk_link", "workers.host_link", "workers.tier_link")
+        for module in (
+            "workers.disk_link",
+            "workers.host_link",
+            "workers.tier_link",
+            "workers.tier_setup",
+        )
     },
     "workers.store.layout": ["torch", "ray", "zmq"],
     # CUDA IPC is loaded only for a CUDA store, when one is placed or opened.

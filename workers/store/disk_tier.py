@@ -132,6 +132,7 @@ class DiskTier(RecordTables):
 
     # -- the data file --------------------------------------------------------------------
 
+    @property
     def data_path(self) -> Path:
         """The data file (tests and benchmarks damage records in it on purpose)."""
         return self.directory / DATA_NAME

@@ -169,6 +169,30 @@ class HostTier(RecordTables):
                 self._counts["read_failures"] += failed
         return valid + [False] * failed
 
+    def read(self, record: DiskRecord, out: bytearray) -> bool:
+        """Copy a record's host page into `out` (a peer's read through the page server),
+        validated: the record still held, its page at the record's generation and digest.
+
+        Raises:
+            ValueError: `out` is not `layout.page_bytes` long.
+        """
+        if len(out) != self.layout.page_bytes:
+            raise ValueError(f"out is {len(out)} bytes, a page is {self.layout.page_bytes}")
+        with self._lock:
+            if not self._index.holds(record):
+                self._counts["read_failures"] += 1
+                return False
+        rows = torch.frombuffer(out, dtype=torch.uint8).view(self.layout.torch_dtype)
+        rows = rows.view(1, *self.layout.page_shape)
+        copied = self.host.copy_pages_validated(
+            [record.slot], [record.generation], rows, [record.digest]
+        )
+        with self._lock:
+            ok = copied.valid[0]
+            self._counts["reads" if ok else "read_failures"] += 1
+            self._counts["bytes_read"] += len(out) if ok else 0
+        return ok
+
     def _load_part(
         self, records: Sequence[DiskRecord], store: SharedPageStore, targets: Sequence[int]
     ) -> list[bool]:

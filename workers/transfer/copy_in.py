@@ -193,7 +193,9 @@ class Sources:
                 return held[1]
             if held is not None:
                 held[1].close()
-            if peer.node_id == self.node_id:
+            # A peer whose pages are not in shared memory (a device store) names no
+            # segment: it is read through its page server, on this node too.
+            if peer.node_id == self.node_id and peer.shm_name:
                 source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name)
             else:
                 source = PageServerSource(
@@ -205,7 +207,7 @@ class Sources:
     def get_disk(self, peer: PeerInfo) -> PageSource:
         """The source of `peer`'s disk records: its data file on the same node, else its
         page server (the source of its host pages)."""
-        if peer.node_id != self.node_id or self.disks is None:
+        if peer.node_id != self.node_id or self.disks is None or not peer.shm_name:
             return self.get(peer)
         shm = self.get(peer)
         assert isinstance(shm, SharedMemorySource)

@@ -1,9 +1,12 @@
 """The page server: serves reads of one worker's pages to workers on other nodes.
 
-Its host pages leave straight from shared memory; with a disk tier below (`ServedDisk`),
-page ids from the disk's id base on name disk records, each read and verified when its
-turn to be sent comes (`workers.transfer.peer_disk`), and a record that does not verify
-is answered invalid, never sent as valid.
+Its host pages leave straight from shared memory; with a tier of records below (`ServedDisk`:
+the disk under host memory, or host memory under a device), page ids from that tier's id
+base on name its records, each read and verified when its turn to be sent comes
+(`workers.transfer.peer_disk`), and a record that does not verify is answered invalid,
+never sent as valid. A store whose pages are not in shared memory (a device store) has
+each page copied out to the host when its turn comes, between the generation reads that
+validate every page.
 
 A ROUTER thread that serves many requests interleaved, one burst of pages each per turn,
 with bounded queues per peer, so a slow or stalled reader holds only its own request; it
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 
 from cache_service import zap
@@ -475,7 +479,9 @@ class PageServer:
         if not serving.sendable[i]:
             socket.send_multipart([serving.identity, prefix, b""], zmq.NOBLOCK)
             return
-        if view is None:  # zero-copy: ZMQ reads the bytes straight out of shared memory
+        if view is None and not self.store.pages_in_segment:
+            view = self._staged(page)  # a device page: copied out, then validated as any
+        elif view is None:  # zero-copy: ZMQ reads the bytes straight out of shared memory
             view = self.store.page_buffer(page)
         track = i == serving.last_tracked
         socket.send(serving.identity, zmq.SNDMORE | zmq.NOBLOCK)  # may raise Again: no part sent
@@ -496,6 +502,13 @@ class PageServer:
             return None
         serving.digests[i] = digest
         return out
+
+    def _staged(self, page: int) -> np.ndarray:
+        """A copy of a page of a store outside shared memory, in host memory of its own
+        (sent without a further copy). The generation reads around the send cover it: a
+        page rewritten before the copy ended reads a newer generation afterwards."""
+        out = self.store.read_pages([page]).to("cpu")
+        return out.view(torch.uint8).numpy().reshape(-1)
 
     def _host_pages(self, pages: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which of `pages` are in shared memory (not the disk's), and their ids."""

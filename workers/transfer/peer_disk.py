@@ -92,13 +92,16 @@ class PlannedSpans(NamedTuple):
 
 
 def split_tiers(spans: Sequence[HolderSpan]) -> PlannedSpans:
-    """Each span cut into its host pages (from page 0) and the disk pages that continue
-    them; pages of any other tier, and what follows them, are left out."""
+    """Each span cut into the pages its holder's page store and host memory keep (from page
+    0: device pages, then host pages, of a holder with a device tier; host pages of one
+    without) and the disk pages that continue them; pages of any other tier, and what
+    follows them, are left out. A holder's own pages come from one source: its shared
+    memory, or its page server, which serves its device pages and host records alike."""
     out, starts, owners, disk = [], {}, {}, set()
     taken = {s.worker_id for s in spans}
     for span in spans:
         n = len(span.page_ids)
-        h = next((i for i in range(n) if span.tier_of(i) != "host"), n)
+        h = next((i for i in range(n) if span.tier_of(i) not in ("device", "host")), n)
         r = next((i for i in range(h, n) if span.tier_of(i) != "disk"), n)
         tiers = span.tiers[:h] if span.tiers else b""
         host = span._replace(

@@ -1,0 +1,129 @@
+"""A member's own tiers, opened together: the store its prefix cache keeps pages in, and
+the tier of records below it.
+
+    CPU worker   host shared memory (the page store)  ->  local disk, if configured
+    GPU worker   device memory (the page store)        ->  host shared memory
+
+On a GPU worker the host store is the tier below (`workers.host_link`): its pages are in
+shared memory as a CPU worker's are, and the device store keeps its generations and
+digests in a shared-memory segment of its own. Peers read a device store's pages through
+its page server, on its node too (it names no shared-memory segment of pages to them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+
+from workers.cache.device_settings import DeviceSettings
+from workers.cache.disk_settings import DiskSettings
+from workers.disk_link import open_disk
+from workers.host_link import HostLink
+from workers.store.host_tier import HostTier
+from workers.store.layout import StoreLayout
+from workers.store.page_store import SharedPageStore
+from workers.store.segment_names import worker_tag
+from workers.tier_link import TierLink
+
+log = logging.getLogger(__name__)
+
+
+class OwnTiers(NamedTuple):
+    """A member's tiers, top down."""
+
+    store: SharedPageStore  # the prefix cache's pages: device memory, or host shared memory
+    host: SharedPageStore | None  # host shared memory under a device store (None: none)
+    below: TierLink | None  # the tier of records under `store` (None: none)
+
+
+def device_of(settings: DeviceSettings | None) -> torch.device | None:
+    """The device a device tier goes on here, or None for none (the host store is then
+    the page store).
+
+    Raises:
+        ValueError: a CUDA device asked for where torch sees none.
+    """
+    if settings is None:
+        return None
+    if settings.device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"store.device {settings.device!r}: torch sees no CUDA device here")
+    return torch.device(settings.device)
+
+
+def open_tiers(
+    worker_id: str,
+    layout: StoreLayout,
+    device: DeviceSettings | None,
+    disk: DiskSettings | None,
+    secret: bytes,
+) -> OwnTiers:
+    """Create a member's stores and the tier below its page store.
+
+    Args:
+        worker_id: whose tiers (names its segments and its disk directory).
+        layout: the host store's layout (its `num_pages`: the host tier's size).
+        device: its device tier (None, or "auto" without a GPU: none).
+        disk: its disk tier under host memory (None: none); not with a device tier.
+        secret: the mesh secret (the disk's records are made under it).
+
+    Returns:
+        The tiers; the caller closes them (`close_tiers`).
+
+    Raises:
+        ValueError: a device tier and a disk tier together, or a CUDA device where there
+            is none; nothing is left open then.
+        Whatever creating a store raises; nothing is left open then.
+    """
+    where = device_of(device)
+    tag = worker_tag(worker_id)
+    if where is None:
+        store = SharedPageStore.create(layout, tag=tag)
+        try:
+            below = None if disk is None else open_disk(disk, secret, worker_id, layout, store)
+        except BaseException:
+            store.close()
+            raise
+        return OwnTiers(store, None, below)
+    if disk is not None:
+        raise ValueError(
+            "a disk tier under a device tier is not supported: host memory is the lowest "
+            "tier of a worker with a device tier (set store.disk or store.device, not both)"
+        )
+    assert device is not None
+    host = SharedPageStore.create(layout, tag=tag)
+    try:
+        top = replace(layout, num_pages=device.pages)
+        store = SharedPageStore.create(
+            top, tag=f"{tag[:30]}_d", device=where, pages_in_segment=False
+        )
+    except BaseException:
+        host.close()
+        raise
+    try:
+        below = HostLink(HostTier(store, host), f"{worker_id}/host")
+    except BaseException:
+        store.close()
+        host.close()
+        raise
+    log.info(
+        "%s keeps %d pages on %s above %d pages of host memory",
+        worker_id,
+        device.pages,
+        where,
+        layout.num_pages,
+    )
+    return OwnTiers(store, host, below)
+
+
+def close_tiers(tiers: OwnTiers) -> None:
+    """Close a member's tiers, top down."""
+    tiers.store.close()
+    if tiers.below is not None:
+        tiers.below.close()
+    if tiers.host is not None:
+        tiers.host.close()
