@@ -1,5 +1,10 @@
 """The page client: reads pages from one remote page server straight into our own pages.
 
+Pages in host memory receive their frames directly (the only copy is the kernel's). A
+store whose pages are not in shared memory (a device store) has the frames land in a host
+staging buffer of the client's (pinned on a CUDA machine), and the valid ones go to the
+device in one bulk copy once the trailer says which are valid.
+
 See `workers.transfer` for the design and `workers.transfer.page_wire` for the wire.
 """
 
@@ -12,11 +17,13 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from workers.store.digests import DIGEST_BYTES, EMPTY_DIGEST
 from workers.store.page_store import SharedPageStore
+from workers.store.staging import staging_buffer
 from workers.transfer.page_wire import (
     MAX_PAGES_PER_REQUEST,
     MAX_REQUEST_PAGE_BYTES,
@@ -35,6 +42,11 @@ from workers.transfer.page_wire import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _row_buffer(rows: torch.Tensor, i: int) -> memoryview:
+    """Row `i` of a staging tensor as a flat writable byte view."""
+    return memoryview(rows[i].view(torch.uint8).numpy()).cast("B")
 
 
 class PageClient:
@@ -77,6 +89,7 @@ class PageClient:
         self._monitor: zmq.Socket | None = None  # the socket's connection events
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._landing: torch.Tensor | None = None  # host staging for a device store, kept
 
     def fetch(
         self,
@@ -139,14 +152,15 @@ class PageClient:
         if header["page_bytes"] != page_bytes:
             raise TransferError(f"peer pages are {header['page_bytes']} bytes, ours {page_bytes}")
         arrived = np.zeros(n, dtype=bool)
+        landing = None if dst.pages_in_segment else self._landing_for(dst, n)
         for i, page in enumerate(dst_pages):
             index = self._recv_reply(socket, request_id, deadline)
             if isinstance(index, dict):
                 raise Refused(f"server gave up: {index.get('error')}")
             if index != i:
                 raise TransferError(f"page {index} where page {i} was due")
-            # Straight into our page: the only copy is the kernel's.
-            target = dst.page_buffer(page)
+            # Straight into our page (the only copy is the kernel's), or its landing row.
+            target = dst.page_buffer(page) if landing is None else _row_buffer(landing, i)
             size = socket.recv_into(target, flags=zmq.NOBLOCK)
             if size not in (0, page_bytes) or socket.rcvmore:
                 raise TransferError(f"a page frame of {size} bytes, expected {page_bytes}")
@@ -156,7 +170,25 @@ class PageClient:
             raise TransferError("a page after the last one")
         if "error" in trailer:
             raise Refused(f"server gave up: {trailer['error']}")
-        return self._verdict(trailer, arrived, digests)
+        valid = self._verdict(trailer, arrived, digests)
+        if landing is not None and any(valid):
+            keep = [i for i, ok in enumerate(valid) if ok]
+            dst.write_pages([dst_pages[i] for i in keep], landing[torch.tensor(keep)])
+        return valid
+
+    def _landing_for(self, dst: SharedPageStore, n: int) -> torch.Tensor:
+        """The host staging rows for `n` pages of `dst`'s layout, made once and reused
+        (pinning memory costs more than a copy through it)."""
+        landing = self._landing
+        shape = (n, *dst.layout.page_shape)
+        if (
+            landing is None
+            or len(landing) < n
+            or landing.dtype != dst.layout.torch_dtype
+            or tuple(landing.shape[1:]) != shape[1:]
+        ):
+            landing = self._landing = staging_buffer(dst, n)
+        return landing
 
     @staticmethod
     def _verdict(trailer: dict, arrived: np.ndarray, digests) -> list[bool]:

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,7 @@ class _Serving:
     sends: int = 0  # messages sent so far: progress, for the backoff
     retry_at: float = 0.0
     backoff: float = _MIN_BACKOFF_S
+    staged: dict[int, np.ndarray] = field(default_factory=dict)  # device pages copied out
 
 
 class PageServer:
@@ -452,6 +453,8 @@ class PageServer:
                 serving.sends += 1
             n = len(serving.pages)
             end = min(n, serving.next_page + self._burst)
+            if not self.store.pages_in_segment and serving.next_page < end:
+                self._stage(serving, serving.next_page, end)
             while serving.next_page < end:
                 self._send_page(socket, serving, serving.next_page)
                 serving.next_page += 1
@@ -480,7 +483,7 @@ class PageServer:
             socket.send_multipart([serving.identity, prefix, b""], zmq.NOBLOCK)
             return
         if view is None and not self.store.pages_in_segment:
-            view = self._staged(page)  # a device page: copied out, then validated as any
+            view = serving.staged.pop(i)  # a device page, copied out with its burst
         elif view is None:  # zero-copy: ZMQ reads the bytes straight out of shared memory
             view = self.store.page_buffer(page)
         track = i == serving.last_tracked
@@ -503,12 +506,22 @@ class PageServer:
         serving.digests[i] = digest
         return out
 
-    def _staged(self, page: int) -> np.ndarray:
-        """A copy of a page of a store outside shared memory, in host memory of its own
-        (sent without a further copy). The generation reads around the send cover it: a
-        page rewritten before the copy ended reads a newer generation afterwards."""
-        out = self.store.read_pages([page]).to("cpu")
-        return out.view(torch.uint8).numpy().reshape(-1)
+    def _stage(self, serving: _Serving, start: int, end: int) -> None:
+        """Copy the device pages of a burst (those still sendable) out to host memory in
+        one gather and one bulk copy, into memory of the burst's own that its frames are
+        then sent from without a further copy (ZMQ holds it until it has sent them). The
+        generation reads around the send cover the copy: a page rewritten before it ended
+        reads a newer generation in the trailer."""
+        due = [
+            i
+            for i in range(start, end)
+            if serving.sendable[i] and serving.pages[i] < self.store.num_pages
+        ]
+        if not due:
+            return
+        rows = self.store.read_pages(serving.pages[due].tolist()).to("cpu")
+        flat = rows.view(torch.uint8).numpy().reshape(len(due), -1)
+        serving.staged.update(zip(due, flat, strict=True))
 
     def _host_pages(self, pages: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which of `pages` are in shared memory (not the disk's), and their ids."""

@@ -103,14 +103,20 @@ def test_a_peers_disk_pages_are_a_holder_of_their_own_after_its_host_pages():
     assert [(t.holder, t.first, t.end) for t in plan] == [
         ("o", 1, 2), ("w", 2, 3), ("w/disk", 3, 6)
     ]  # fmt: skip
-    # Only on disk from page 0; another tier ends the span.
+    # Only on disk from page 0; a holder with a device tier gives its device pages and its
+    # host pages after them (through its page server), as one source.
     only = split_tiers(
-        [HolderSpan("d", "disk", (90, 91), (7, 7)), HolderSpan("x", "device", (1,), (7,))]
+        [
+            HolderSpan("d", "disk", (90, 91), (7, 7)),
+            HolderSpan("x", "device", (1,), (7,)),
+            HolderSpan("g", "device", (1, 2, 40), (7,) * 3, b"\0\0\1"),
+        ]
     )
     assert [(s.worker_id, len(s.page_ids)) for s in only.spans] == [
         ("d", 0),
         ("d/disk", 2),
-        ("x", 0),
+        ("x", 1),
+        ("g", 3),
     ]
 
 

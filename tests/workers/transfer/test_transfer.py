@@ -51,6 +51,24 @@ def stores():
     holder.close()
 
 
+@pytest.fixture(params=["shared", "private"])
+def placed_stores(request):
+    """`stores`, with the holder's and the requester's pages in shared memory or (standing
+    in for device stores) in private memory: served by copying each burst out, received
+    through the client's staging rows."""
+    in_segment = request.param == "shared"
+    holder = SharedPageStore.create(LAYOUT, tag="holder", pages_in_segment=in_segment)
+    requester = SharedPageStore.create(LAYOUT, tag="requester", pages_in_segment=in_segment)
+    pages = holder.allocate(6)
+    for page in pages:
+        holder.write_page(page, torch.full(LAYOUT.page_shape, float(page + 1)))
+    yield holder, requester, pages
+    holder.check_integrity()
+    requester.check_integrity()
+    requester.close()
+    holder.close()
+
+
 @contextlib.contextmanager
 def serving(store, **kwargs):
     """A page server and a client of it, both closed on the way out."""
@@ -234,8 +252,8 @@ def test_credentials_are_checked():
 # ---------------------------------------------------------------------- across nodes
 
 
-def test_remote_fetch_lands_exact_bytes_and_validates(stores):
-    holder, requester, pages = stores
+def test_remote_fetch_lands_exact_bytes_and_validates(placed_stores):
+    holder, requester, pages = placed_stores
     with serving(holder) as (server, client):
         dst = requester.allocate(5)
         gens = holder.generations(pages[:5])
@@ -250,8 +268,8 @@ def test_remote_fetch_lands_exact_bytes_and_validates(stores):
         assert server.pages_sent == 4 and server.health()["requests"] == 1
 
 
-def test_a_page_rewritten_during_the_send_is_invalid(stores):
-    holder, requester, pages = stores
+def test_a_page_rewritten_during_the_send_is_invalid(placed_stores):
+    holder, requester, pages = placed_stores
 
     class RewrittenDuringSend:
         """The holder's store, rewriting page 1 between the first read and the trailer."""
@@ -273,6 +291,7 @@ def test_a_page_rewritten_during_the_send_is_invalid(stores):
         gens = holder.generations(pages[:3])
         assert client.fetch(pages[:3], gens, requester, dst) == [True, False, True]
         assert server.pages_sent == 3
+    assert torch.equal(requester.page(dst[2]), torch.full(LAYOUT.page_shape, pages[2] + 1.0))
 
 
 def test_remote_fetch_checks_the_holders_digests(stores):
