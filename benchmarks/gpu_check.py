@@ -8,6 +8,8 @@ Each section (`benchmarks/gpu_checks/`) checks one part of a GPU worker and time
     store     the page store on the device, a CUDA IPC copy between two processes with
               its validation (and a page rewritten during the copy caught), write-back to
               the host tier and load-back, against plain copies of the same bytes
+    tiers     the device tier: the prefix cache over device pages, evicted pages written
+              down to the host tier and loaded back, validated, against plain copies
     compute   the model and BatchRunner on the device against the same model on the CPU
     layouts   the vLLM connector's KV layouts on device tensors, round-tripped
 
@@ -35,7 +37,7 @@ import platform  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-SECTIONS = ("store", "compute", "layouts")
+SECTIONS = ("store", "tiers", "compute", "layouts")
 
 
 def machine(device: str) -> dict:

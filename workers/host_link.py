@@ -60,12 +60,14 @@ class HostLink(TierLink):
         """Nothing to close: the host store is the worker's, closed with it."""
 
     def _write(self, page: Spilled) -> DiskRecord | None:
-        record = self.tier.write(
-            page.page, page.digest, page.parent, page.namespace, page.depth, page.tokens
-        )
-        if record is not None:
-            self.counters.wrote(self.tier.layout.page_bytes)
-        return record
+        return self._write_all([page])[0]
+
+    def _write_all(self, pages: Sequence[Spilled]) -> list[DiskRecord | None]:
+        records = self.tier.write_many(pages)
+        written = sum(record is not None for record in records)
+        if written:
+            self.counters.wrote(written * self.tier.layout.page_bytes)
+        return records
 
 
 class HostSource:

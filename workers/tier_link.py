@@ -97,6 +97,11 @@ class TierLink:
         """Write one page of the store above down; its record, or None (not taken)."""
         raise NotImplementedError
 
+    def _write_all(self, pages: Sequence[Spilled]) -> list[DiskRecord | None]:
+        """Write pages down, parents before children (a tier that copies in bulk does it
+        in one go); one record or None per page."""
+        return [self._write(page) for page in pages]
+
     def source(self) -> Any:
         """The `PageSource` (`workers.transfer.copy_in`) that loads its records into pages
         of the store above, each verified."""
@@ -130,18 +135,21 @@ class TierLink:
             if self.records.lookup(page.digest) is not None:
                 break  # prefix-closed: everything above this is here too
             missing.append(page)
-        for page in reversed(missing):  # parents first
-            if self._write(page) is None:
+        missing.reverse()  # parents first; a page whose parent is not taken is not either
+        for page, record in zip(missing, self._write_all(missing), strict=True):
+            if record is None:
                 break
             self.records.set_up(page.digest, True)
         self._announce_removed()
 
     def demote(self, pages: Sequence[Spilled]) -> list[tuple[int, int] | None]:
         taken: dict[bytes, DiskRecord | None] = {}
+        writes = []
         for page in sorted(pages, key=lambda s: s.depth):  # parents before children
-            record = self.records.lookup(page.digest)
+            taken[page.digest] = record = self.records.lookup(page.digest)
             if record is None:
-                record = self._write(page)
+                writes.append(page)
+        for page, record in zip(writes, self._write_all(writes), strict=True):
             taken[page.digest] = record
         self._announce_removed()
         places: list[tuple[int, int] | None] = []

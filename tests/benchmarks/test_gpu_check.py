@@ -26,7 +26,7 @@ def test_every_section_passes_on_the_cpu_without_ray_zmq_or_gguf(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == json.loads(out.read_text())
     assert result["imported"] == []
-    for section in ("store", "compute", "layouts"):
+    for section in ("store", "tiers", "compute", "layouts"):
         assert result[section]["passed"], result[section]
     assert result["machine"]["device"] == "cpu"
     # On the CPU both of compute's runs are on the CPU: they agree exactly.
@@ -40,3 +40,5 @@ def test_every_section_passes_on_the_cpu_without_ray_zmq_or_gguf(tmp_path):
     store = result["store"]
     assert store["peer_path"] == "host_fallback" and "only CUDA pages" in store["ipc_error"]
     assert len(result["layouts"]["layouts"]) == 4
+    tiers = result["tiers"]
+    assert tiers["pages"] == 8 and tiers["demote_ratio"] > 0 and tiers["load_back_ratio"] > 0

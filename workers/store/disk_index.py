@@ -22,7 +22,7 @@ holds until the record is touched again.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from workers.store.disk_records import DiskRecord
 
@@ -179,9 +179,11 @@ class DiskIndex:
         stamp = self._marked.get(digest)
         return stamp is not None and stamp == self._touched.get(digest)
 
-    def pop_leaf(self, exclude: bytes) -> DiskRecord | None:
-        """The evictable record other than `exclude` to go first (marked ones first, then
-        the least recently touched), or None."""
+    def pop_leaf(self, exclude: bytes | Collection[bytes]) -> DiskRecord | None:
+        """The evictable record not in `exclude` (one digest, or several) to go first
+        (marked ones first, then the least recently touched), or None."""
+        if isinstance(exclude, bytes):
+            exclude = (exclude,)
         kept = []
         found = None
         while self._leaves:
@@ -189,7 +191,7 @@ class DiskIndex:
             digest = entry[2]
             if entry != self._entry(digest) or not self._evictable(digest):
                 continue  # stale: touched or marked since, dropped, or no longer a leaf
-            if digest == exclude:
+            if digest in exclude:
                 kept.append(entry)
                 continue
             found = self._records[digest]

@@ -33,7 +33,10 @@ from workers.store.page_store import SharedPageStore
 from workers.store.record_tables import RecordTables
 from workers.store.staging import load_back, staging_buffer, write_back
 
-__all__ = ["HostTier"]
+__all__ = ["HostTier", "PageDown"]
+
+# A page going down: (device page, digest, parent digest, namespace, depth, packed tokens).
+PageDown = tuple[int, bytes, bytes, Namespace, int, bytes]
 
 STAGING_PAGES = 32  # one staging buffer per tier, reused: pinning memory costs more than a copy
 
@@ -105,30 +108,71 @@ class HostTier(RecordTables):
             parent not held (depth > 1), or a device page that does not hold `digest`.
             Evicted records go to `take_removed()` ("evicted").
         """
+        return self.write_many([(page, digest, parent, namespace, depth, tokens)])[0]
+
+    def write_many(self, pages: Sequence[PageDown]) -> list[DiskRecord | None]:
+        """`write` for several device pages, parents before children, in bulk copies (one
+        per staging buffer's worth). A page may hang under one written earlier in the same
+        call; one whose parent is not taken is not taken either.
+
+        Args:
+            pages: each (device page, digest, parent digest, namespace, depth, tokens),
+                as `write` takes them (`workers.cache.tiers.Spilled` is one).
+
+        Returns:
+            One record or None per page, as `write` returns them.
+        """
+        out: list[DiskRecord | None] = [None] * len(pages)
         with self._lock:
-            held = self._index.get(digest)
-            if held is not None:
-                self._index.touch(digest)
-                return held
-            slot = self._take_slot(parent, namespace, depth)
-            if slot is None:
-                self._counts["writes_refused"] += 1
-                return None
-            generation = self.device.generation(page)
-            copied = write_back(
-                self.device, [page], [generation], self.host, [slot], [digest], self._staging
-            )
-            if not copied.valid[0]:
-                self._index.release(slot)
-                self._counts["write_failures"] += 1
-                return None
-            record = DiskRecord(
-                slot, self.host.generation(slot), digest, parent, namespace, depth, tokens
-            )
-            self._index.hold(record)
-            self._counts["writes"] += 1
-            self._counts["bytes_written"] += self.layout.page_bytes
-            return record
+            planned: dict[bytes, int] = {}  # digest -> its index in `pages`, slot taken
+            slots: dict[int, int] = {}
+            # Held parents of pages taken: not evicted to make room for the pages after.
+            keep: set[bytes] = set()
+            for i, (_, digest, parent, namespace, depth, _) in enumerate(pages):
+                held = self._index.get(digest)
+                if held is not None:
+                    self._index.touch(digest)
+                    out[i] = held
+                    continue
+                if digest in planned:
+                    continue  # twice in one call: taken once
+                under = planned.get(parent)
+                after = under is not None and pages[under][4] == depth - 1
+                slot = self._take_slot(parent, namespace, depth, after, keep)
+                if slot is None:
+                    self._counts["writes_refused"] += 1
+                    continue
+                planned[digest], slots[i] = i, slot
+                if not after:
+                    keep.add(parent)
+            order = list(slots)
+            valid: list[bool] = []
+            step = len(self._staging)
+            for at in range(0, len(order), step):
+                part = order[at : at + step]
+                devices = [pages[i][0] for i in part]
+                valid += write_back(
+                    self.device,
+                    devices,
+                    self.device.generations(devices),
+                    self.host,
+                    [slots[i] for i in part],
+                    [pages[i][1] for i in part],
+                    self._staging,
+                ).valid
+            generations = self.host.generations([slots[i] for i in order])
+            for i, ok, generation in zip(order, valid, generations, strict=True):
+                _, digest, parent, namespace, depth, tokens = pages[i]
+                if not ok or (depth > 1 and self._index.get(parent) is None):
+                    self._index.release(slots[i])  # unwritten, or its parent was not
+                    self._counts["write_failures"] += 1
+                    continue
+                record = DiskRecord(slots[i], generation, digest, parent, namespace, depth, tokens)
+                self._index.hold(record)
+                self._counts["writes"] += 1
+                self._counts["bytes_written"] += self.layout.page_bytes
+                out[i] = record
+        return out
 
     # -- reading -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
 
 from cache_service.events import Namespace
@@ -115,19 +115,28 @@ class RecordTables:
     def _accepting_now(self) -> bool:
         return True
 
-    def _take_slot(self, parent: bytes, namespace: Namespace, depth: int) -> int | None:
+    def _take_slot(
+        self,
+        parent: bytes,
+        namespace: Namespace,
+        depth: int,
+        parent_taken: bool = False,
+        keep: Collection[bytes] = (),
+    ) -> int | None:
         """A busy slot for a new record (evicting one leaf if none is free); None if no
-        room, no parent held (depth > 1), or not accepting. Holds _lock."""
+        room, no parent held (depth > 1; `parent_taken`: its parent has a slot of its own
+        and is being written, so it need not be held yet), or not accepting. The parent and
+        the records of `keep` are never evicted for it. Holds _lock."""
         if not self._accepting_now():
             return None
-        if depth > 1:
+        if depth > 1 and not parent_taken:
             above = self._index.get(parent)
             if above is None or above.depth != depth - 1 or above.namespace != namespace:
                 return None
         slot = self._index.take_free()
         if slot is not None:
             return slot
-        victim = self._index.pop_leaf(exclude=parent)
+        victim = self._index.pop_leaf(exclude={parent, *keep} if keep else parent)
         if victim is None:
             return None
         if self._index.is_marked(victim.digest):
