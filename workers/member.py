@@ -203,8 +203,9 @@ class MeshMember:
             self.worker_id,
             self.node_id,
             address=self.page_server.address,
-            # Pages outside shared memory (a device store): peers use its page server.
-            shm_name=self.store.name if self.store.pages_in_segment else "",
+            # A device store's segment too: same-node peers open its pages through the
+            # CUDA IPC handle left there, or fall back to its page server.
+            shm_name=self.store.name,
             page_key=None if keys is None else keys.public,
             load=active,
             report=self._report,
@@ -251,7 +252,7 @@ class MeshMember:
         return PeerInfo(
             self.worker_id,
             self.node_id,
-            self.store.name if self.store.pages_in_segment else "",
+            self.store.name,
             self.page_server.address,
             None if keys is None else keys.public,
         )
@@ -569,6 +570,8 @@ class MeshMember:
             "copies_refused": self.copies_refused,
             "page_server": self.page_server.health(),
             "attached": self.sources.attached(),  # peers' stores mapped here, by name
+            # Same-node peers whose device pages could not be opened here.
+            "through_page_servers": self.sources.through_page_servers(),
             "copy_decisions": dict(self.copy_decisions),  # by reason
             "last_decision": None if self.last_decision is None else self.last_decision._asdict(),
             "link_rates": self.links.snapshot(),

@@ -1,7 +1,8 @@
 """A worker with a device tier above host memory (tiny model, real service, no Ray): pages
 the device evicts go down to host shared memory and come back with the outputs of a run
-without any cache, the index follows every demotion, and peers on its node and on others
-copy its pages (device and host) through its page server.
+without any cache, the index follows every demotion, and peers copy its pages (device and host):
+on its node through the CUDA IPC handle its segment carries, or, where that cannot be
+opened (here: no CUDA), through its page server, as peers on other nodes do.
 
 A CPU store in private memory stands in for the device: the same code as on a GPU, with
 plain memory for staging (`workers.tier_setup`)."""
@@ -72,7 +73,7 @@ def test_evicted_device_pages_come_back_from_host_memory_and_the_index_follows(s
     try:
         member = worker.member
         assert member.store.num_pages == 24 and not member.store.pages_in_segment
-        assert member.info().shm_name == ""  # peers read it through its page server
+        assert member.info().shm_name == member.store.name  # its segment: metadata only
         for prompt in PROMPTS:  # 5 x 10 pages through 24 on the device: the early go down
             worker.generate(prompt + [1], 2)
             assert worker.flush()
@@ -117,7 +118,9 @@ def test_peers_copy_device_and_host_pages_through_its_page_server(service):
             assert out.stats.remote_hit_tokens == 10 * P, out.stats
             _same_logits(out, peer, tokens)
         assert gpu.member.page_server.pages_sent == 30
-        assert near.member.sources.attached() == []  # nothing of g's mapped on its node
+        # No CUDA here: nothing of g's opens on its node, so b reads g's page server.
+        assert near.member.sources.attached() == []
+        assert near.member.stats()["through_page_servers"] == ["g"]
         # And the other way: the device worker copies a plain worker's pages into its own.
         prompt = PROMPTS[4] + [3]
         near.generate(prompt, 2)

@@ -87,10 +87,15 @@ class SharedPageStore(StoreReader):
     The reads both may make are inherited from `StoreReader` (`workers.store.store_reader`).
     """
 
-    def __init__(self, segment: Segment, pages: torch.Tensor | None = None):
-        """Private: use `create` or `attach`."""
+    def __init__(
+        self,
+        segment: Segment,
+        pages: torch.Tensor | None = None,
+        handle: CudaIpcHandle | None = None,
+    ):
+        """Private: use `create`, `attach` or `open_peer`."""
         super().__init__(segment, pages)
-        self._ipc_handle: CudaIpcHandle | None = None  # exported once, on first ask
+        self._ipc_handle = handle  # CUDA pages: exported once, at creation (or on first ask)
         # Only the owner keeps a free list; a reader's would claim every page is free.
         self._pool: PagePool | None = (
             PagePool(
@@ -162,6 +167,22 @@ class SharedPageStore(StoreReader):
             CudaIpcError: the handle cannot be opened here.
         """
         return cls(*placement.open_placed(name, pages))
+
+    @classmethod
+    def open_peer(cls, name: str) -> SharedPageStore:
+        """Attach a same-node peer's store with its pages readable: mapped with its
+        segment, or, for a device store, opened (once) through the CUDA IPC handle its
+        owner left in the segment.
+
+        Raises:
+            ValueError: `name` is not a kvmesh segment name.
+            SegmentNotFoundError: no such segment.
+            SegmentFormatError: not a kvmesh header of this format version.
+            CudaIpcError: a device store whose pages cannot be opened here: it left no
+                handle (pages not on CUDA, export refused), or CUDA refuses to open it
+                (no CUDA here, another container): read it through its page server.
+        """
+        return cls(*placement.open_peer(name))
 
     def export_pages(self) -> CudaIpcHandle:
         """The handle through which same-node peers open this store's device pages

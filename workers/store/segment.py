@@ -4,10 +4,15 @@ The owner creates the segment and maps it writable; a peer on the same node atta
 name and maps it read-only. `Segment` does only that, and cuts the mapping into the
 generation, digest and page views (`Segment.views`) that `SharedPageStore` works on.
 
-Segment format (one file in /dev/shm per store, little-endian), version 3:
+Segment format (one file in /dev/shm per store, little-endian), version 4:
 
     offset 0                 header: magic, format version, layout, page placement,
                              region offsets
+    offset 1024              the peer handle slot: length (u32), crc32 (u32), then that
+                             many bytes (at most 3064): how a same-node peer opens pages
+                             kept outside the segment (a msgpack map of a CUDA IPC
+                             handle's plain fields, `workers.store.cuda_ipc`); length 0:
+                             none
     offset 4096              num_pages int64 generation counters (padded to 4096)
     offset digests_offset    num_pages x 16-byte digests, all zeros where none is
                              recorded (padded to 4096)
@@ -18,8 +23,9 @@ Segment format (one file in /dev/shm per store, little-endian), version 3:
 
 A store whose pages live in device memory keeps only its metadata here, so peers read
 generations and digests without touching the device; its pages reach them another way
-(`workers.store.cuda_ipc`). Version 1 had no digest region, version 2 no placement; a
-reader refuses any version but its own. Names, and
+(`workers.store.cuda_ipc`), through the handle its owner leaves in the header: it never
+leaves the node. Version 1 had no digest region, version 2 no placement, version 3 no
+peer handle slot; a reader refuses any version but its own. Names, and
 reclaiming the segments of dead owners, are `workers.store.segment_names`.
 
 `multiprocessing.shared_memory` is deliberately not used: on Python 3.11 its resource
@@ -35,6 +41,7 @@ import os
 import struct
 import warnings
 import weakref
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -52,7 +59,7 @@ from workers.store.layout import (
 from workers.store.segment_names import SHM_DIR, reclaim_dead_segments, segment_name, segment_path
 
 MAGIC = b"KVMESH01"
-FORMAT_VERSION = 3  # 2: a digest region after the generations; 3: the page placement
+FORMAT_VERSION = 4  # 2: digests after the generations; 3: page placement; 4: peer handle
 
 # Where the pages are. Codes are part of the format: never renumber, only append.
 PLACEMENT_SEGMENT = 0  # in the data region, after the digests
@@ -67,6 +74,11 @@ HEADER_BYTES = 4096
 # magic, version, num_pages, num_layers, num_kv_heads, page_tokens, head_dim, dtype_code,
 # placement, generations_offset, digests_offset, data_offset, total_bytes
 _HEADER = struct.Struct("<8s12q")
+
+# The peer handle slot: length and crc32, then the bytes, inside the header's page.
+_HANDLE_OFFSET = 1024
+_HANDLE_PREFIX = struct.Struct("<II")
+MAX_HANDLE_BYTES = HEADER_BYTES - _HANDLE_OFFSET - _HANDLE_PREFIX.size
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere fault lazily
 
@@ -316,6 +328,42 @@ class Segment:
     @property
     def closed(self) -> bool:
         return self._mm is None
+
+    def set_peer_handle(self, data: bytes) -> None:
+        """Leave how a same-node peer opens this store's pages (owner only), once, before
+        the store's name is handed out: a reader checks the bytes' crc32 all the same.
+
+        Raises:
+            NotOwnerError: called on a reader's segment.
+            ValueError: more than MAX_HANDLE_BYTES, or none.
+            PageStoreError: the segment is closed.
+        """
+        if not self._is_owner:
+            raise NotOwnerError(f"set_peer_handle on segment {self._name!r}: owner only")
+        if not 0 < len(data) <= MAX_HANDLE_BYTES:
+            raise ValueError(f"a peer handle of {len(data)} bytes: 1 to {MAX_HANDLE_BYTES}")
+        if self._mm is None:
+            raise PageStoreError(f"segment {self._name!r} is closed")
+        start = _HANDLE_OFFSET + _HANDLE_PREFIX.size
+        self._mm[start : start + len(data)] = data
+        prefix = _HANDLE_PREFIX.pack(len(data), zlib.crc32(data))
+        self._mm[_HANDLE_OFFSET : _HANDLE_OFFSET + _HANDLE_PREFIX.size] = prefix  # last
+
+    def peer_handle(self) -> bytes | None:
+        """The bytes `set_peer_handle` left, or None when there are none (or they do not
+        match their crc32: not written yet, or not by this format).
+
+        Raises:
+            PageStoreError: the segment is closed.
+        """
+        if self._mm is None:
+            raise PageStoreError(f"segment {self._name!r} is closed")
+        length, crc = _HANDLE_PREFIX.unpack_from(self._mm, _HANDLE_OFFSET)
+        if not 0 < length <= MAX_HANDLE_BYTES:
+            return None
+        start = _HANDLE_OFFSET + _HANDLE_PREFIX.size
+        data = bytes(self._mm[start : start + length])
+        return data if zlib.crc32(data) == crc else None
 
     def views(self) -> SegmentViews:
         """The generation, digest and page regions as arrays over the mapping.

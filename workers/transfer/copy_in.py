@@ -33,12 +33,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from cache_service.messages import HolderSpan
-from workers.store.layout import PageStoreError
+from workers.store.layout import CudaIpcError, PageStoreError
 from workers.store.page_store import SharedPageStore
 from workers.store.segment_names import owner_alive
 from workers.transfer.costs import Link
@@ -81,20 +82,35 @@ class PageSource(Protocol):
 
 
 class SharedMemorySource:
-    """A same-node holder: its page store attached by shared-memory name (on first use).
+    """A same-node holder: its page store opened by shared-memory name (on first use),
+    its device pages, if that is where it keeps them, through the CUDA IPC handle it left
+    in its segment (`SharedPageStore.open_peer`).
 
     A failed attach or copy is all misses, logged; the mapping is dropped so the next
-    fetch attaches afresh.
+    fetch attaches afresh. Device pages that cannot be opened here (no handle, or CUDA
+    refuses: no GPU in this process, expandable segments, another container) are read
+    through the holder's page server from then on (`fallback`), with one log line. A
+    device holder's host-tier pages (ids past its device store's) come through its page
+    server too, which serves them as records of the tier below.
     """
 
     remote = False
 
-    def __init__(self, worker_id: str, node_id: str, shm_name: str):
+    def __init__(
+        self,
+        worker_id: str,
+        node_id: str,
+        shm_name: str,
+        fallback: Callable[[], PageSource] | None = None,
+    ):
         self.worker_id = worker_id
         self.node_id = node_id
         self.shm_name = shm_name
         self.pages_copied = 0  # valid pages this source delivered
         self._store: SharedPageStore | None = None
+        self._make_server = fallback
+        self._server: PageSource | None = None  # its page server, made when first needed
+        self.fallback = False  # its device pages could not be opened: all by page server
         self._lock = threading.Lock()
 
     @property
@@ -113,17 +129,78 @@ class SharedMemorySource:
             return self._store.num_pages
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
+        n = len(pages)
         with self._lock:
+            mapped = self._mapped(pages)  # which pages to copy here: None, all misses
+            if mapped is None:
+                return [False] * n
+            here = [i for i in range(n) if mapped[i]]
+            there = [i for i in range(n) if not mapped[i]]
+            server = self._page_server() if there else None
+            valid = [False] * n
+            if here:
+                try:
+                    assert self._store is not None
+                    got = copy_from_peer(
+                        self._store,
+                        [pages[i] for i in here],
+                        [gens[i] for i in here],
+                        store,
+                        [targets[i] for i in here],
+                        digests=None if digests is None else [digests[i] for i in here],
+                    )
+                except (PageStoreError, FileNotFoundError, ValueError) as exc:
+                    log.warning("copy from %s failed: %s", self.worker_id, exc)
+                    self._detach()
+                    return valid
+                for i, ok in zip(here, got, strict=True):
+                    valid[i] = ok
+                self.pages_copied += got.count(True)
+        if server is not None:
+            got = server.fetch(
+                [pages[i] for i in there],
+                [gens[i] for i in there],
+                None if digests is None else [digests[i] for i in there],
+                [targets[i] for i in there],
+                store,
+            )
+            for i, ok in zip(there, got, strict=True):
+                valid[i] = ok
+        return valid
+
+    def _mapped(self, pages: Sequence[int]) -> list[bool] | None:
+        """Per page, whether it is copied out of the mapping here (else by page server);
+        None when the holder cannot be read at all. Holds _lock."""
+        if not self.fallback:
             try:
                 if self._store is None:
-                    self._store = SharedPageStore.attach(self.shm_name)
-                valid = copy_from_peer(self._store, pages, gens, store, targets, digests=digests)
+                    self._store = SharedPageStore.open_peer(self.shm_name)
+            except CudaIpcError as exc:
+                if self._make_server is None:
+                    log.warning("copy from %s failed: %s", self.worker_id, exc)
+                    return None
+                log.warning(
+                    "%s keeps its pages on a device this process cannot open (%s): reading "
+                    "them through its page server",
+                    self.worker_id,
+                    exc,
+                )
+                self.fallback = True
             except (PageStoreError, FileNotFoundError, ValueError) as exc:
                 log.warning("copy from %s failed: %s", self.worker_id, exc)
                 self._detach()
-                return [False] * len(pages)
-        self.pages_copied += valid.count(True)
-        return valid
+                return None
+        store = self._store
+        if self.fallback or store is None:
+            return [False] * len(pages)
+        if store.pages_in_segment or self._make_server is None:
+            return [True] * len(pages)
+        return [page < store.num_pages for page in pages]
+
+    def _page_server(self) -> PageSource | None:
+        if self._server is None and self._make_server is not None:
+            self._server = self._make_server()
+        return self._server
 
     def owner_alive(self) -> bool:
         return owner_alive(self.shm_name)
@@ -131,6 +208,9 @@ class SharedMemorySource:
     def close(self) -> None:
         with self._lock:
             self._detach()
+            if self._server is not None:
+                self._server.close()
+                self._server = None
 
     def _detach(self) -> None:
         if self._store is not None:
@@ -193,14 +273,20 @@ class Sources:
                 return held[1]
             if held is not None:
                 held[1].close()
-            # A peer whose pages are not in shared memory (a device store) names no
-            # segment: it is read through its page server, on this node too.
+            server = partial(
+                PageServerSource,
+                peer.worker_id,
+                peer.node_id,
+                peer.page_address,
+                self.auth,
+                peer.page_key,
+            )
+            # A peer that names no segment (an engine without a store) is read through
+            # its page server, on this node too.
             if peer.node_id == self.node_id and peer.shm_name:
-                source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name)
+                source = SharedMemorySource(peer.worker_id, peer.node_id, peer.shm_name, server)
             else:
-                source = PageServerSource(
-                    peer.worker_id, peer.node_id, peer.page_address, self.auth, peer.page_key
-                )
+                source = server()
             self._sources[peer.worker_id] = (peer, source)
             return source
 
@@ -240,6 +326,13 @@ class Sources:
         for source in dead:
             source.close()
         return [s.shm_name for s in dead]
+
+    def through_page_servers(self) -> list[str]:
+        """Same-node peers read through their page servers: their device pages could not
+        be opened here."""
+        with self._lock:
+            held = [s for _, s in self._sources.values() if isinstance(s, SharedMemorySource)]
+        return sorted(s.worker_id for s in held if s.fallback)
 
     def attached(self) -> list[str]:
         """Names of the peers' stores mapped here now."""

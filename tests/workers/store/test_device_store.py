@@ -274,3 +274,39 @@ def test_the_cpu_path_never_loads_the_cuda_module(device_store, host_store, monk
     assert "workers.store.cuda_ipc" not in sys.modules
     device_store.check_integrity()
     host_store.check_integrity()
+
+
+def test_a_same_node_peer_opens_pages_through_the_handle_left_in_the_segment(
+    device_store, host_store
+):
+    """The owner of CUDA pages leaves its IPC handle's fields in its segment's header; a
+    peer reads them there (checked against their crc32). Without a handle (pages on the
+    CPU, or an export CUDA refused) opening is a CudaIpcError, the peer's cue to read the
+    owner's page server instead; a store of shared-memory pages opens as it attaches."""
+    with pytest.raises(CudaIpcError, match="left no CUDA IPC handle"):
+        SharedPageStore.open_peer(device_store.name)
+    with SharedPageStore.open_peer(host_store.name) as peer:
+        assert peer.pages_in_segment and torch.equal(peer.page(0), host_store.page(0))
+    segment = device_store._segment
+    layout = device_store.layout
+    size = layout.num_pages * layout.page_bytes
+    handle = CudaIpcHandle(0, b"\x01" * 64, size, 0, b"/torch_1_2_3", 8, b"\x02" * 64, True)
+    segment.set_peer_handle(msgpack.packb(handle.to_fields()))
+    with SharedPageStore.attach(device_store.name) as reader:
+        assert CudaIpcHandle.from_fields(msgpack.unpackb(reader._segment.peer_handle())) == handle
+        with pytest.raises(NotOwnerError, match="owner only"):
+            reader._segment.set_peer_handle(b"x")
+    # Found and decoded; here, opening it is what fails: no CUDA on this machine.
+    with pytest.raises(CudaIpcError, match="no CUDA device on this machine"):
+        SharedPageStore.open_peer(device_store.name)
+    segment.set_peer_handle(b"\xc1")  # not msgpack
+    with pytest.raises(CudaIpcError, match="does not decode"):
+        SharedPageStore.open_peer(device_store.name)
+    with pytest.raises(ValueError, match="1 to 3064"):
+        segment.set_peer_handle(b"x" * 4000)
+    # A slot whose bytes do not match their crc32 (torn, or foreign) holds no handle.
+    with open(os.path.join(SHM_DIR, device_store.name), "r+b") as f:
+        f.seek(1024 + 8)
+        f.write(b"\x00")
+    assert segment.peer_handle() is None
+    device_store.check_integrity()

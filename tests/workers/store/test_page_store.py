@@ -270,7 +270,7 @@ def test_the_store_parts_names_are_importable_from_the_page_store():
     for module in (layout, segment, segment_names, validated_copy):
         for name in set(page_store.__all__) & set(vars(module)):
             assert getattr(page_store, name) is getattr(module, name), name
-    assert page_store.FORMAT_VERSION == segment.FORMAT_VERSION == 3
+    assert page_store.FORMAT_VERSION == segment.FORMAT_VERSION == 4
     assert page_store.reclaim_dead_segments is segment_names.reclaim_dead_segments
     assert page_store.ValidatedCopy is validated_copy.ValidatedCopy
     assert (workers.SharedPageStore, workers.StoreLayout) == (SharedPageStore, layout.StoreLayout)

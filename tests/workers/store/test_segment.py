@@ -46,15 +46,15 @@ def test_attach_missing_or_foreign_segment_is_a_clear_error():
         os.unlink(foreign)
 
 
-@pytest.mark.parametrize("version", [1, 2, 99])
+@pytest.mark.parametrize("version", [1, 2, 3, 99])
 def test_attach_rejects_another_format_version(store, version):
-    # Version 1 segments had no digest region and version 2 no placement field: reading one
-    # as ours would misplace the pages.
-    assert FORMAT_VERSION == 3
+    # Version 1 segments had no digest region, version 2 no placement field, version 3 no
+    # peer handle slot: reading one as ours would misplace the pages or misread a handle.
+    assert FORMAT_VERSION == 4
     with open(os.path.join(SHM_DIR, store.name), "r+b") as f:
         f.seek(8)
         f.write(version.to_bytes(8, "little"))
-    with pytest.raises(SegmentFormatError, match=f"format version {version}, this build reads 3"):
+    with pytest.raises(SegmentFormatError, match=f"format version {version}, this build reads 4"):
         SharedPageStore.attach(store.name)
     with pytest.raises(AssertionError, match="header no longer matches"):
         store.check_integrity()

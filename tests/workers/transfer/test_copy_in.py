@@ -3,11 +3,16 @@ stores (one holder attached as same node, one over a real page server at once)."
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from cache_service.events import Namespace
 from cache_service.messages import HolderSpan
 from tests.workers.transfer.slow_link import SlowLink
+from workers.host_link import HostLink
+from workers.store.host_tier import HostTier
 from workers.store.page_store import SharedPageStore, StoreLayout
 from workers.transfer import PageServer
 from workers.transfer.copy_in import (
@@ -269,3 +274,58 @@ def test_sources_are_kept_per_peer_and_let_go(holders):
     finally:
         sources.close()
         server.stop()
+
+
+def test_a_same_node_device_holder_is_read_where_each_page_is(monkeypatch):
+    """A holder with a device tier (here a private CPU store standing in for it) and host
+    memory below: its device pages come out of its pages opened through the handle in its
+    segment (CUDA IPC; here the owner's tensor itself stands in for the opened handle),
+    its host-tier pages through its page server; where the device pages cannot be opened,
+    everything comes through the page server, with one log line."""
+    layout = StoreLayout(num_pages=6, num_layers=1, num_kv_heads=1, page_tokens=4, head_dim=4)
+    device = SharedPageStore.create(layout, pages_in_segment=False)
+    host = SharedPageStore.create(layout)
+    mine = SharedPageStore.create(layout)
+    tier = HostTier(device, host)
+    link = HostLink(tier, "holder/host")
+    server = PageServer(device, disk=link)
+    try:
+        pages = device.allocate(4)
+        digests = [bytes([i + 1]) * 16 for i in range(4)]
+        for i, page in enumerate(pages):
+            device.write_page(page, torch.full(layout.page_shape, float(i + 1)))
+        device.set_digests(pages, digests)
+        # Pages 2 and 3 go down to host memory, as the device's eviction sends them.
+        parent = b"\0" * 16
+        records = tier.write_many(
+            [(pages[i], digests[i], parent, Namespace("t"), 1, b"") for i in (2, 3)]
+        )
+        ids = [pages[0], pages[1], *(link.id_base + r.slot for r in records)]
+        gens = [*device.generations(pages[:2]), *(r.generation for r in records)]
+        targets = mine.allocate(4)
+        source = SharedMemorySource(
+            "holder", "n1", device.name, partial(PageServerSource, "holder", "n1", server.address)
+        )
+
+        def opened(name):  # CUDA IPC stands in: the owner's pages, opened by a reader
+            return SharedPageStore.attach(name, pages=device.page_range(0, layout.num_pages))
+
+        with monkeypatch.context() as patched:
+            patched.setattr(SharedPageStore, "open_peer", opened)
+            assert source.fetch(ids, gens, digests, targets, mine) == [True] * 4
+        assert server.pages_sent == 2 and source.pages_copied == 2 and not source.fallback
+        for i, target in enumerate(targets):
+            assert torch.equal(mine.page(target), torch.full(layout.page_shape, float(i + 1)))
+        source.close()
+        # No handle to open (pages on the CPU): every page by the page server.
+        fallen = SharedMemorySource(
+            "holder", "n1", device.name, partial(PageServerSource, "holder", "n1", server.address)
+        )
+        assert fallen.fetch(ids, gens, digests, targets, mine) == [True] * 4
+        assert fallen.fallback and server.pages_sent == 6
+        fallen.close()
+        tier.check_integrity()
+    finally:
+        server.stop()
+        for store in (mine, host, device):
+            store.close()
