@@ -6,8 +6,9 @@
 - write-back to a host shared-memory store and load-back, validated, byte-exact, and a
   page rewritten by its owner during a write-back detected (generation before, copy,
   generation after);
-- a copy by a peer process (spawned; the IPC handle crosses as msgpack'd plain fields)
-  out of the store's device pages, validated, byte-exact, and a page the owner rewrites
+- a copy by a peer process (spawned; it opens the store with `SharedPageStore.open_peer`,
+  through the IPC handle's plain fields the owner left in the store's segment at
+  creation) out of the store's device pages, validated, byte-exact, and a page the owner rewrites
   while the peer copies detected; where the platform refuses CUDA IPC (or on the CPU) the
   error is recorded and the peer's host fallback is checked and timed instead: a validated
   load-back from the owner's host store into the peer's own device store;
@@ -206,7 +207,10 @@ def peer_copy(plan: dict[str, Any], conn) -> dict[str, Any]:
     pages, gens, want = plan["pages"], plan["gens"], plan["digests"]
     n = len(pages)
     handle = plan["handle"] and CudaIpcHandle.from_fields(plan["handle"])
-    with SharedPageStore.attach(plan["store"], pages=handle or None) as source:
+    opened = SharedPageStore.open_peer if handle else SharedPageStore.attach
+    with opened(plan["store"]) as source:
+        if handle:  # what the segment carried is what the owner exported
+            assert msgpack.unpackb(source._segment.peer_handle()) == plan["handle"]
         layout = source.layout
         if handle:  # straight out of the owner's device pages, into ours
             out = torch.empty((n, *layout.page_shape), dtype=layout.torch_dtype, device=device)

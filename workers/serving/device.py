@@ -1,9 +1,9 @@
-"""Where a worker computes: the device its `device` setting names, and a model moved there.
+"""Where a worker computes: a model moved to the device its pages are on.
 
 A worker's model, its batch runner's pass and its sampler run on one torch device, and
 its page store keeps the pages there too (`workers.serving.batch_runner` refuses a store
-elsewhere). The setting is "auto", "cpu" or "cuda"; "auto" is CUDA only for a worker that
-was given a GPU (its actor reserved one) on a machine where torch sees one.
+elsewhere). Which device that is comes from `store.device` (`workers.tier_setup`): a
+worker with a device tier computes on it, every other one on the CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["DEVICES", "on_device", "resolve_device"]
+__all__ = ["on_device"]
 
 
 def on_device(
@@ -45,31 +45,3 @@ def on_device(
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, buffer.to(device))
     return model
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_device(setting: str, gpu_assigned: bool) -> torch.device:
-    """The device a worker computes on, from its `device` setting.
-
-    Args:
-        setting: "cpu", "cuda", or "auto": CUDA when torch sees a GPU and the worker was
-            given one (its actor reserved a GPU), else the CPU.
-        gpu_assigned: whether the worker was given a GPU.
-
-    Returns:
-        The device.
-
-    Raises:
-        ValueError: an unknown setting (the known ones listed), or "cuda" where torch sees
-            no GPU.
-    """
-    if setting not in DEVICES:
-        raise ValueError(f"unknown device {setting!r}; known: {', '.join(DEVICES)}")
-    available = torch.cuda.is_available()
-    if setting == "cuda" and not available:
-        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device here")
-    if setting == "cuda" or (setting == "auto" and available and gpu_assigned):
-        return torch.device("cuda")
-    return torch.device("cpu")

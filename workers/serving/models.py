@@ -47,8 +47,8 @@ def load(name: str, dtype: str = "float32", device: Any = "cpu") -> tuple[Any, A
     """Load a known model in eval mode: `(model, tokenizer)`; the tiny test model has no
     tokenizer (None).
 
-    The worker loads on the CPU today: a GPU worker needs its page store on the device
-    too, and passes `workers.serving.device.resolve_device(...)` here once it has one.
+    The worker loads on the CPU and moves the model to its pages' device when it has a
+    device tier (`workers.serving.device.on_device`).
 
     Args:
         name: a name of `KNOWN_MODELS`.

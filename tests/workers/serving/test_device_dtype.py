@@ -26,7 +26,6 @@ from tests.workers.model_fixtures import held_kv, make_prompt, make_rig, referen
 from workers.serving import models
 from workers.serving.batch_runner import BatchRunner, Chunk
 from workers.serving.compaction import CompactionConfig, Compactor
-from workers.serving.device import resolve_device
 from workers.serving.model_loader import LayoutMismatchError, store_layout_for, tiny_llama
 from workers.serving.sampling import Sampler, SamplingParams
 from workers.store.page_store import SharedPageStore
@@ -199,15 +198,3 @@ def test_rotary_frequencies_stay_float32_in_bf16():
     assert model.dtype == torch.bfloat16
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.equal(model.model.rotary_emb.inv_freq, tiny_llama().model.rotary_emb.inv_freq)
-
-
-def test_a_workers_device_setting():
-    gpu = torch.cuda.is_available()
-    assert resolve_device("cpu", gpu_assigned=True) == torch.device("cpu")
-    assert resolve_device("auto", gpu_assigned=False) == torch.device("cpu")
-    assert resolve_device("auto", gpu_assigned=True).type == ("cuda" if gpu else "cpu")
-    with pytest.raises(ValueError, match="unknown device 'tpu'; known: auto, cpu, cuda"):
-        resolve_device("tpu", gpu_assigned=True)
-    if not gpu:
-        with pytest.raises(ValueError, match="no CUDA device"):
-            resolve_device("cuda", gpu_assigned=True)
