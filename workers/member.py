@@ -61,7 +61,7 @@ from workers.service.client import (
     ServiceError,
     ServiceUnavailable,
 )
-from workers.service.figures import WorkerFigures
+from workers.service.figures import TierCounters, WorkerFigures
 from workers.service.publisher import EventPublisher
 from workers.store.digests import EMPTY_DIGEST, page_digests
 from workers.store.layout import StoreLayout
@@ -172,6 +172,7 @@ class MeshMember:
                 self.store, cache, lower=self.below, tier="device" if on_device else "host"
             )
             self.figures = WorkerFigures()  # prompt tokens, copies, TTFT: in every heartbeat
+            self._device = TierCounters()  # its device tier's, when its store is one
             self.auth = membership.transfer_auth()
             self.page_server = PageServer(
                 self.store,
@@ -551,8 +552,12 @@ class MeshMember:
             "spot_checks": checks["checks"],
             "spot_check_failures": checks["failures"],
         }
-        tiers = () if self.below is None else (self.below.figures(),)
-        return self.figures.report(self.cache.stats(), load, tiers)
+        stats = self.cache.stats()
+        tiers = [] if self.below is None else [self.below.figures()]
+        if self.tiers.host is not None:  # its page store is the device tier: said first
+            held = stats["cached_pages"] + stats["in_use_pages"]
+            tiers.insert(0, self._device.figures("device", held, stats["total_pages"]))
+        return self.figures.report(stats, load, tiers)
 
     def stats(self) -> dict[str, Any]:
         """The member's own figures (a worker's stats add its serving's)."""

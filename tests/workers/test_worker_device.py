@@ -86,12 +86,19 @@ def test_evicted_device_pages_come_back_from_host_memory_and_the_index_follows(s
         assert out.stats.local_hit_tokens == 10 * P and out.stats.remote_hit_tokens == 0
         assert out.stats.disk_hit_tokens == 0
         _same_logits(out, worker, first)
-        (host,) = member._report().tiers  # what each heartbeat tells the service
+        device, host = member._report().tiers  # what each heartbeat tells the service
+        assert (device.tier, device.capacity) == ("device", 24) and device.pages > 0
         assert host.tier == "host" and host.hit_tokens > 0 and host.bytes_read > 0
+        assert host.capacity == 64 and host.pages == member.below.records.stats()["pages"]
         assert host.demotions == member.below.demotions
         assert member.stats()["host_tier"]["pages_loaded"] > 0
         assert worker.flush()
         assert _index_view(worker, first) == _local_view(worker, first)
+        # The service files the worker's pages under its tiers, and its hits by tier.
+        tiers = service.reports.tiers()
+        assert tiers["device"]["capacity"] == 24 and tiers["host"]["capacity"] == 64
+        assert tiers["host"]["hit_tokens"] == host.hit_tokens
+        assert service.reports.hits_by_tier()["host"] == host.hit_tokens
         worker.check_integrity()
     finally:
         worker.shutdown()
