@@ -37,26 +37,8 @@ LAYOUT = StoreLayout(num_pages=12, num_layers=2, num_kv_heads=2, page_tokens=4, 
 SECRET = b"s" * 32
 
 
-@pytest.fixture
-def stores():
-    holder = SharedPageStore.create(LAYOUT, tag="holder")
-    requester = SharedPageStore.create(LAYOUT, tag="requester")
-    pages = holder.allocate(6)
-    for page in pages:
-        holder.write_page(page, torch.full(LAYOUT.page_shape, float(page + 1)))
-    yield holder, requester, pages
-    holder.check_integrity()
-    requester.check_integrity()
-    requester.close()
-    holder.close()
-
-
-@pytest.fixture(params=["shared", "private"])
-def placed_stores(request):
-    """`stores`, with the holder's and the requester's pages in shared memory or (standing
-    in for device stores) in private memory: served by copying each burst out, received
-    through the client's staging rows."""
-    in_segment = request.param == "shared"
+def _stores(in_segment: bool):
+    """A holder with six pages written and a requester, checked and closed afterwards."""
     holder = SharedPageStore.create(LAYOUT, tag="holder", pages_in_segment=in_segment)
     requester = SharedPageStore.create(LAYOUT, tag="requester", pages_in_segment=in_segment)
     pages = holder.allocate(6)
@@ -67,6 +49,19 @@ def placed_stores(request):
     requester.check_integrity()
     requester.close()
     holder.close()
+
+
+@pytest.fixture
+def stores():
+    yield from _stores(in_segment=True)
+
+
+@pytest.fixture(params=["shared", "private"])
+def placed_stores(request):
+    """`stores`, with the holder's and the requester's pages in shared memory or (standing
+    in for device stores) in private memory: served by copying each burst out, received
+    through the client's staging rows."""
+    yield from _stores(in_segment=request.param == "shared")
 
 
 @contextlib.contextmanager
