@@ -10,6 +10,7 @@ import torch
 
 from cache_service.events import Namespace
 from tests.workers.conftest import SERVICE_PAGE_TOKENS, make_worker
+from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import DIR_ENV, DiskSettings
 from workers.serving.model_loader import full_prefill_logits
 from workers.store.digests import page_digests
@@ -172,15 +173,23 @@ def _flip(disk, digest: bytes) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
+# A peer whose pages are in host memory, or on a device (a private store standing in): it
+# lands what it reads from a holder's disk in host rows and writes them up.
+PEER_TIERS = pytest.mark.parametrize(
+    "peer_device", [None, DeviceSettings("cpu", 32)], ids=["host-peer", "device-peer"]
+)
+
+
+@PEER_TIERS
 def test_a_peer_copies_host_pages_from_memory_and_the_rest_from_the_holders_disk(
-    service, tmp_path, monkeypatch
+    service, tmp_path, monkeypatch, peer_device
 ):
     """The index names a holder's pages with their tiers: a same-node peer copies the
     holder's host pages out of its shared memory and the disk pages after them out of its
     data file, with the outputs of a run without any cache."""
     settings = _mesh_disk(tmp_path, monkeypatch)
     holder = make_worker(service, "a", pages=64, disk=settings, secret=SECRET)
-    peer = make_worker(service, "b", pages=64, secret=SECRET)
+    peer = make_worker(service, "b", pages=64, secret=SECRET, device=peer_device)
     try:
         for w in (holder, peer):
             w.set_peers([holder.info(), peer.info()])
@@ -204,9 +213,10 @@ def test_a_peer_copies_host_pages_from_memory_and_the_rest_from_the_holders_disk
         holder.shutdown()
 
 
+@PEER_TIERS
 @pytest.mark.parametrize("node", ["n1", "n2"], ids=["same-node-file", "page-server"])
 def test_a_peer_copies_pages_held_only_on_disk_and_never_a_corrupt_record(
-    service, tmp_path, monkeypatch, node
+    service, tmp_path, monkeypatch, node, peer_device
 ):
     """A holder's prompt lives only on its disk: a peer on its node reads the data file, a
     peer on another node asks its page server, and both copy it whole; a record whose
@@ -214,7 +224,7 @@ def test_a_peer_copies_pages_held_only_on_disk_and_never_a_corrupt_record(
     computes the rest, with the outputs of a run without any cache."""
     settings = _mesh_disk(tmp_path, monkeypatch)
     holder = make_worker(service, "a", pages=64, disk=settings, secret=SECRET)
-    peer = make_worker(service, "b", node=node, pages=64, secret=SECRET)
+    peer = make_worker(service, "b", node=node, pages=64, secret=SECRET, device=peer_device)
     try:
         for w in (holder, peer):
             w.set_peers([holder.info(), peer.info()])

@@ -54,6 +54,12 @@ def staging_buffer(store: SharedPageStore, num_pages: int) -> torch.Tensor:
     return torch.empty(shape, dtype=store.layout.torch_dtype)
 
 
+def row_bytes(rows: torch.Tensor, i: int) -> memoryview:
+    """Row `i` of a staging buffer as a flat writable byte view (what a record or a frame
+    is read into)."""
+    return memoryview(rows[i].view(torch.uint8).numpy()).cast("B")
+
+
 def stage_pages(
     src: SharedPageStore,
     src_pages: Sequence[int],

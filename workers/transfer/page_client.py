@@ -23,7 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from workers.store.digests import DIGEST_BYTES, EMPTY_DIGEST
 from workers.store.page_store import SharedPageStore
-from workers.store.staging import staging_buffer
+from workers.store.staging import row_bytes, staging_buffer
 from workers.transfer.page_wire import (
     MAX_PAGES_PER_REQUEST,
     MAX_REQUEST_PAGE_BYTES,
@@ -42,11 +42,6 @@ from workers.transfer.page_wire import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _row_buffer(rows: torch.Tensor, i: int) -> memoryview:
-    """Row `i` of a staging tensor as a flat writable byte view."""
-    return memoryview(rows[i].view(torch.uint8).numpy()).cast("B")
 
 
 class PageClient:
@@ -160,7 +155,7 @@ class PageClient:
             if index != i:
                 raise TransferError(f"page {index} where page {i} was due")
             # Straight into our page (the only copy is the kernel's), or its landing row.
-            target = dst.page_buffer(page) if landing is None else _row_buffer(landing, i)
+            target = dst.page_buffer(page) if landing is None else row_bytes(landing, i)
             size = socket.recv_into(target, flags=zmq.NOBLOCK)
             if size not in (0, page_bytes) or socket.rcvmore:
                 raise TransferError(f"a page frame of {size} bytes, expected {page_bytes}")

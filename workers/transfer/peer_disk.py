@@ -45,6 +45,7 @@ from workers.store.disk_file import DATA_NAME, SlotReader
 from workers.store.disk_rate import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 from workers.store.disk_records import DiskTierError, RecordCodec
 from workers.store.layout import StoreLayout
+from workers.store.staging import row_bytes, staging_buffer
 from workers.transfer.costs import Link
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,19 @@ class PeerDiskSource:
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
         valid: list[bool] = []
+        # Into our page itself, or (a store outside host memory: a device's) a host row
+        # written up once the record verified.
+        row = None if store.pages_in_segment else staging_buffer(store, 1)
         with self._lock:
             reader, base = self._open(), self._id_base()
             for page, gen, digest, target in zip(pages, gens, digests, targets, strict=True):
                 record = None
                 if reader is not None and base is not None and page >= base:
-                    out = store.page_buffer(target)
+                    out = store.page_buffer(target) if row is None else row_bytes(row, 0)
                     record = reader.read_record(self._codec, page - base, out)
                 ok = record is not None and record.generation == gen and record.digest == digest
+                if ok and row is not None:
+                    store.write_pages([target], row)
                 valid.append(ok)
                 if not ok:
                     break
