@@ -135,10 +135,10 @@ class StoreConfig:
             DeviceSettings(self.device, self.device_pages)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.disk.enabled:
+        if self.disk.enabled and self.disk.policy != "write_back":
             raise ConfigError(
-                f"store.device {self.device!r} with store.disk: a worker with a device tier "
-                "keeps host memory as its lowest tier; set one of them"
+                f"store.disk.policy {self.disk.policy} under store.device {self.device!r}: "
+                "pages reach the disk when host memory evicts them (write_back)"
             )
 
     def device_settings(self) -> DeviceSettings | None:

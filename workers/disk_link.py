@@ -25,6 +25,7 @@ from workers.cache.tiers import Spilled
 from workers.store.disk_tier import DiskRecord, DiskTier, DiskTierError
 from workers.store.layout import StoreLayout
 from workers.store.page_store import SharedPageStore
+from workers.store.staging import row_bytes, staging_buffer
 from workers.tier_link import TierLink
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,11 @@ def open_disk(
     worker_id: str,
     layout: StoreLayout,
     host: SharedPageStore,
+    id_base: int | None = None,
 ) -> DiskLink | None:
     """The worker's disk tier opened (its records verified and adopted), or None when it
-    cannot be opened: the worker then runs on host memory alone, as it says in its log."""
+    cannot be opened: the worker then runs on host memory alone, as it says in its log.
+    `id_base`: its first page id (`DiskLink`)."""
     directory = Path(settings.directory or default_directory(secret, worker_id))
     try:
         disk = DiskTier.open(directory, layout, settings.pages, mesh_key(secret))
@@ -55,7 +58,8 @@ def open_disk(
             directory,
             dict(disk.dropped) or "none",
         )
-    return DiskLink(disk, host, settings.policy, f"{worker_id}/disk", settings.keep)
+    holder = f"{worker_id}/disk"
+    return DiskLink(disk, host, settings.policy, holder, settings.keep, id_base)
 
 
 class DiskLink(TierLink):
@@ -69,14 +73,22 @@ class DiskLink(TierLink):
         policy: one of POLICIES.
         holder: the key its loads go under in copy plans (never a worker id).
         keep: keep the tier's files when it closes.
+        id_base: its first page id (None: after the host store's pages; under a device
+            tier, after the device's and the host's).
     """
 
     name = TIER
 
     def __init__(
-        self, disk: DiskTier, host: SharedPageStore, policy: str, holder: str, keep: bool = False
+        self,
+        disk: DiskTier,
+        host: SharedPageStore,
+        policy: str,
+        holder: str,
+        keep: bool = False,
+        id_base: int | None = None,
     ):
-        super().__init__(disk, host, policy, holder)
+        super().__init__(disk, host, policy, holder, id_base)
         self.disk = disk
         self.host = host
         self.keep = keep
@@ -135,6 +147,9 @@ class DiskSource:
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
         disk, base = self.link.disk, self.link.id_base
+        # Into the page itself, or (a device store's, under host memory) a host row
+        # written up once the record verified.
+        row = None if store.pages_in_segment else staging_buffer(store, 1)
         valid = []
         for page, gen, digest, target in zip(pages, gens, digests, targets, strict=True):
             record = disk.lookup(digest)
@@ -142,8 +157,12 @@ class DiskSource:
                 record is not None
                 and base + record.slot == page
                 and record.generation == gen
-                and disk.read(record, store.page_buffer(target))
+                and disk.read(
+                    record, store.page_buffer(target) if row is None else row_bytes(row, 0)
+                )
             )
+            if ok and row is not None:
+                store.write_pages([target], row)
             valid.append(ok)
             if not ok:
                 break  # the usable prefix ends at the first failure

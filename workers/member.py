@@ -66,6 +66,7 @@ from workers.service.publisher import EventPublisher
 from workers.store.digests import EMPTY_DIGEST, page_digests
 from workers.store.layout import StoreLayout
 from workers.store.segment_names import reclaim_dead_segments
+from workers.tier_link import TierLink
 from workers.tier_setup import close_tiers, open_tiers
 from workers.transfer.copy_in import CopyExecutor, CopyPlan, Sources, plan_copy
 from workers.transfer.costs import CopyCosts, Decision, Share, measure_links
@@ -212,7 +213,8 @@ class MeshMember:
             report=self._report,
             on_new_service=self.client.reconnect,
             # Every tier's pages are its own in the index: all its tiers together.
-            capacity=self.store.num_pages + (0 if self.below is None else self.below.capacity),
+            capacity=self.store.num_pages
+            + (0 if self.below is None else sum(t.capacity for t in self.below.chain())),
         )
         self._load = load
         self.peers = Peers(self.worker_id, lambda w: look_up_peer(self.client, w), PEER_TTL_S)
@@ -339,16 +341,22 @@ class MeshMember:
         # here only when the own disk is looked up by them; else once a plan exists.
         expected: list[bytes] | None = None
         sources: dict[str, Any] = {}
-        own = None
+        own: dict[str, TierLink] = {}  # its own tiers below that continue the prompt
+        starts = dict(held.starts)
         if below is not None:
             expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
-            own = below.span(expected, first)
-        if own is not None:  # its own tier below continues the prompt: a holder too
-            spans = [own, *spans]
-            links[own.worker_id] = below.link()
-            sources[own.worker_id] = below.source()
+            reach = first
+            for tier in below.chain():  # each continues where the one above stops
+                span = tier.span(expected, reach)
+                if span is None:
+                    continue
+                spans = [span, *spans]
+                links[span.worker_id] = tier.link()
+                sources[span.worker_id] = tier.source()
+                own[span.worker_id], starts[span.worker_id] = tier, reach
+                reach = len(span.page_ids)
         page_bytes = self.store.layout.page_bytes
-        tasks = plan_copy(spans, first, end, links, page_bytes, held.starts)
+        tasks = plan_copy(spans, first, end, links, page_bytes, starts)
         if not tasks:
             return first
         copy_s = recompute_s = 0.0
@@ -374,11 +382,12 @@ class MeshMember:
         outcome = self.copier.run(plan, sources, self.store, allocation.pages, expected)
         end = outcome.end
         for result in outcome.results:
-            if own is not None and result.task.holder == own.worker_id:
+            tier = own.get(result.task.holder)
+            if tier is not None:
                 loaded = max(min(result.task.end, end) - result.task.first, 0)
-                below.loaded(loaded, result.seconds, result.valid.count(False))
+                tier.loaded(loaded, result.seconds, result.valid.count(False))
                 if tally is not None:
-                    tally[below.name] += loaded
+                    tally[tier.name] += loaded
                 continue  # its own pages: verified records, no link, no spot check
             remote = sources[result.task.holder].remote
             nbytes = len(result.valid) * page_bytes
@@ -393,7 +402,7 @@ class MeshMember:
         ranges = [
             (owner[r.task.holder], r.task.first, min(r.task.end, end))
             for r in outcome.results
-            if own is None or r.task.holder != own.worker_id
+            if r.task.holder not in own
         ]
         ranges = [r for r in ranges if r[1] < r[2]]
         for holder, lo, hi in ranges:
@@ -553,7 +562,7 @@ class MeshMember:
             "spot_check_failures": checks["failures"],
         }
         stats = self.cache.stats()
-        tiers = [] if self.below is None else [self.below.figures()]
+        tiers = [] if self.below is None else [tier.figures() for tier in self.below.chain()]
         if self.tiers.host is not None:  # its page store is the device tier: said first
             held = stats["cached_pages"] + stats["in_use_pages"]
             tiers.insert(0, self._device.figures("device", held, stats["total_pages"]))

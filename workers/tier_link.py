@@ -34,7 +34,7 @@ from cache_service.events import KvEvent, PagesRemoved, PagesStored
 from cache_service.messages import HolderSpan, TierFigures
 from cache_service.tokens import PackedTokens
 from workers.cache.disk_settings import POLICIES  # when pages are written down
-from workers.cache.tiers import Spilled
+from workers.cache.tiers import Place, Spilled
 from workers.service.figures import TierCounters
 from workers.store.disk_records import DiskRecord
 from workers.store.page_store import SharedPageStore
@@ -77,14 +77,22 @@ class TierLink:
 
     name = ""
 
-    def __init__(self, records: Records, above: SharedPageStore, policy: str, holder: str):
+    def __init__(
+        self,
+        records: Records,
+        above: SharedPageStore,
+        policy: str,
+        holder: str,
+        id_base: int | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"{self.name} policy {policy!r}: one of {', '.join(POLICIES)}")
         self.records = records
         self.above = above
         self.policy = policy
         self.holder = holder
-        self.id_base = above.num_pages
+        # Its ids follow the store above's (and, under a tier below that, that tier's too).
+        self.id_base = above.num_pages if id_base is None else id_base
         self.capacity = records.capacity  # ids here: id_base .. id_base + capacity - 1
         self.counters = TierCounters()  # what went through it: every report carries them
         self.demotions = 0  # pages demoted into it
@@ -115,6 +123,16 @@ class TierLink:
     def close(self) -> None:
         raise NotImplementedError
 
+    def chain(self) -> list[TierLink]:
+        """This tier and the tiers below it, top down."""
+        return [self]
+
+    @property
+    def id_end(self) -> int:
+        """One past the last page id of this tier and those below it."""
+        last = self.chain()[-1]
+        return last.id_base + last.capacity
+
     # -- the prefix cache's side (LowerTier) --------------------------------------------
 
     def attach(self, emit: Callable[[KvEvent], None]) -> None:
@@ -142,7 +160,7 @@ class TierLink:
             self.records.set_up(page.digest, True)
         self._announce_removed()
 
-    def demote(self, pages: Sequence[Spilled]) -> list[tuple[int, int] | None]:
+    def demote(self, pages: Sequence[Spilled]) -> list[Place | None]:
         taken: dict[bytes, DiskRecord | None] = {}
         writes = []
         for page in sorted(pages, key=lambda s: s.depth):  # parents before children
@@ -152,13 +170,13 @@ class TierLink:
         for page, record in zip(writes, self._write_all(writes), strict=True):
             taken[page.digest] = record
         self._announce_removed()
-        places: list[tuple[int, int] | None] = []
+        places: list[Place | None] = []
         for page in pages:
             record = taken[page.digest]
             # A record written early in this call may have made room for a later one.
             if record is not None and self.records.lookup(page.digest) == record:
                 self.records.set_up(page.digest, False)
-                places.append((self.id_base + record.slot, record.generation))
+                places.append(Place(self.id_base + record.slot, record.generation, self.name))
                 self.demotions += 1
                 self.counters.demoted(1)
             else:

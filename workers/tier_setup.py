@@ -3,6 +3,7 @@ the tier of records below it.
 
     CPU worker   host shared memory (the page store)  ->  local disk, if configured
     GPU worker   device memory (the page store)        ->  host shared memory
+                                                        ->  local disk, if configured
 
 On a GPU worker the host store is the tier below (`workers.host_link`): its pages are in
 shared memory as a CPU worker's are, and the device store keeps its generations and
@@ -68,15 +69,16 @@ def open_tiers(
         worker_id: whose tiers (names its segments and its disk directory).
         layout: the host store's layout (its `num_pages`: the host tier's size).
         device: its device tier (None, or "auto" without a GPU: none).
-        disk: its disk tier under host memory (None: none); not with a device tier.
+        disk: its disk tier under host memory (None: none); write-back only under a
+            device tier.
         secret: the mesh secret (the disk's records are made under it).
 
     Returns:
         The tiers; the caller closes them (`close_tiers`).
 
     Raises:
-        ValueError: a device tier and a disk tier together, or a CUDA device where there
-            is none; nothing is left open then.
+        ValueError: a write-through disk under a device tier, or a CUDA device where
+            there is none; nothing is left open then.
         Whatever creating a store raises; nothing is left open then.
     """
     where = device_of(device)
@@ -89,10 +91,10 @@ def open_tiers(
             store.close()
             raise
         return OwnTiers(store, None, below)
-    if disk is not None:
+    if disk is not None and disk.policy != "write_back":
         raise ValueError(
-            "a disk tier under a device tier is not supported: host memory is the lowest "
-            "tier of a worker with a device tier (set store.disk or store.device, not both)"
+            f"a {disk.policy} disk under a device tier: pages reach the disk from host "
+            "memory when it evicts them (write_back)"
         )
     assert device is not None
     host = SharedPageStore.create(layout, tag=tag)
@@ -104,18 +106,24 @@ def open_tiers(
     except BaseException:
         host.close()
         raise
+    lowest = None
     try:
-        below = HostLink(HostTier(store, host), f"{worker_id}/host")
+        if disk is not None:  # its ids after the device's and host memory's
+            lowest = open_disk(disk, secret, worker_id, layout, host, device.pages + host.num_pages)
+        below = HostLink(HostTier(store, host), f"{worker_id}/host", lowest)
     except BaseException:
+        if lowest is not None:
+            lowest.close()
         store.close()
         host.close()
         raise
     log.info(
-        "%s keeps %d pages on %s above %d pages of host memory",
+        "%s keeps %d pages on %s above %d pages of host memory%s",
         worker_id,
         device.pages,
         where,
         layout.num_pages,
+        "" if lowest is None else f" and {lowest.capacity} on disk",
     )
     return OwnTiers(store, host, below)
 

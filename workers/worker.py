@@ -396,8 +396,9 @@ class Worker:
             copied = self.member.copy_in(
                 allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks, tally
             )
-            seq.below_tokens = sum(tally.values()) * p
-            seq.disk_tokens = tally["disk"] * p
+            if self.member.below is not None:
+                chain = self.member.below.chain()
+                seq.own_tokens = {tier.name: tally[tier.name] * p for tier in chain}
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
             # never fails a request, nor the serving loop that runs it. Pages half copied
@@ -416,9 +417,11 @@ class Worker:
         local, remote, _ = self._hits(seq)
         figures = self.member.figures
         figures.admitted(seq.namespace.salt, local, remote, len(seq.prompt) - local - remote)
-        own = min(seq.below_tokens, seq.hits[1])
-        if own and self.member.below is not None:
-            self.member.below.hit(own)
+        if self.member.below is not None:
+            hits = self._own_hits(seq)
+            for tier in self.member.below.chain():
+                if hits.get(tier.name):
+                    tier.hit(hits[tier.name])
         if remote:
             figures.copy_took(seq.copy_s)
 
@@ -428,8 +431,20 @@ class Worker:
         Pages loaded back from its own tier below (disk, or host memory under a device)
         are its own hits, not copies."""
         local, copied = seq.hits
-        own = min(seq.below_tokens, copied)
-        return local + own, copied - own, min(seq.disk_tokens, own)
+        own = Worker._own_hits(seq)
+        loaded = sum(own.values())
+        return local + loaded, copied - loaded, own.get("disk", 0)
+
+    @staticmethod
+    def _own_hits(seq: Seq) -> dict[str, int]:
+        """Of the copied prompt tokens, those each own tier below gave, top down (the last
+        page's tokens may have been cut: the prompt's last token is always computed)."""
+        _, left = seq.hits
+        hits = {}
+        for name, tokens in seq.own_tokens.items():
+            hits[name] = min(tokens, left)
+            left -= hits[name]
+        return hits
 
     def _finished(self, seq: Seq) -> None:
         if seq.first_token_at is not None and seq.error is None:

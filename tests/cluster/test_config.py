@@ -48,8 +48,14 @@ def test_empty_mapping_gives_defaults():
         ({"store": {"device": "tpu", "device_pages": 8}}, "store.device 'tpu': one of auto"),
         ({"store": {"device_pages": 8}}, "store.device_pages 8 needs store.device cuda or auto"),
         (
-            {"store": {"device": "auto", "device_pages": 8, "disk": {"enabled": True}}},
-            "store.device 'auto' with store.disk",
+            {
+                "store": {
+                    "device": "auto",
+                    "device_pages": 8,
+                    "disk": {"enabled": True, "policy": "write_through"},
+                }
+            },
+            "store.disk.policy write_through under store.device 'auto'",
         ),
         ({"store": {"disk": {"policy": "lazy"}}}, "store.disk.policy 'lazy': one of write_back"),
         ({"store": {"disk": {"pages": -3}}}, "store.disk.pages must be >= 0"),

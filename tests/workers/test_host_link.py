@@ -7,19 +7,25 @@ the device: the same code as on a GPU, with plain memory for staging."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from cache_service.events import PagesDemoted, PagesRemoved, PagesStored
 from cache_service.index.global_index import GlobalIndex
+from cache_service.tokens import pack_tokens
 from tests.workers.tier_helpers import NS, P, expected_kv, make_prompt, serve
+from workers.cache.disk_settings import mesh_key
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.disk_link import DiskLink
 from workers.host_link import HostLink
-from workers.store.digests import page_digests
+from workers.store.digests import page_digests, root_digest
+from workers.store.disk_tier import DiskTier
 from workers.store.host_tier import HostTier
 from workers.store.page_store import SharedPageStore, StoreLayout
 
+KEY = mesh_key(b"s" * 32)
 DEVICE = StoreLayout(num_pages=8, num_layers=2, num_kv_heads=2, page_tokens=P, head_dim=3)
 
 
@@ -27,11 +33,16 @@ class Tiers:
     """A device store, its prefix cache and the host store below, built and checked
     together."""
 
-    def __init__(self, host_pages: int = 16):
+    def __init__(self, host_pages: int = 16, disk_directory: Path | None = None):
         self.device = SharedPageStore.create(DEVICE, device="cpu", pages_in_segment=False)
         self.host = SharedPageStore.create(replace(DEVICE, num_pages=host_pages))
         self.tier = HostTier(self.device, self.host)
-        self.link = HostLink(self.tier, "w/host")
+        self.disk = None
+        if disk_directory is not None:  # the disk below host memory: ids after its pages
+            records = DiskTier.open(disk_directory, self.host.layout, 32, KEY)
+            base = DEVICE.num_pages + host_pages
+            self.disk = DiskLink(records, self.host, "write_back", "w/disk", id_base=base)
+        self.link = HostLink(self.tier, "w/host", self.disk)
         config = PrefixCacheConfig(page_tokens=P)
         self.cache = PrefixCache(self.device, config, lower=self.link, tier="device")
 
@@ -58,6 +69,7 @@ class Tiers:
 
     def close(self) -> None:
         self.check()
+        self.link.close()
         self.device.close()
         self.host.close()
 
@@ -249,3 +261,112 @@ def test_dropped_and_cleared_pages_leave_the_host_tier_too(tiers):
     assert tiers.tier.stats()["pages"] == 2
     tiers.cache.clear()
     assert tiers.tier.stats()["pages"] == 0
+
+
+# -- device -> host -> disk ------------------------------------------------------------------
+
+
+@pytest.fixture
+def chain(tmp_path):
+    t = Tiers(host_pages=2, disk_directory=tmp_path / "disk")
+    yield t
+    t.close()
+
+
+def _apply(index: GlobalIndex, epoch: int, seq: int, events) -> None:
+    result = index.apply_events("w", epoch, seq, events)
+    assert result.reason == "applied", result
+
+
+def _tiers_of(index: GlobalIndex, prompt: list[int]) -> list[str]:
+    (span,) = index.match(NS, prompt).spans
+    return [span.tier_of(i) for i in range(len(span.page_ids))]
+
+
+def test_host_memory_evicts_down_to_disk_and_a_prompt_loads_back_from_both(chain):
+    """Host memory holds 2 pages: a second prompt pushes the first one's pages down to
+    the disk (the parent written there first, so the disk keeps whole prefixes), the
+    index follows every move, and the first prompt loads back from the disk, exact."""
+    index = GlobalIndex(page_tokens=P)
+    host_end = DEVICE.num_pages + 2
+    epoch = index.register("w", node_id="n0", capacity=host_end + 32).epoch
+    a, b = make_prompt(30, 2), make_prompt(31, 2)
+    for seq, prompt in enumerate((a, b), start=1):
+        chain.serve(prompt + [1])
+        chain.cache.evict(100)
+        _apply(index, epoch, seq, chain.cache.take_events())
+        chain.check()
+    assert _tiers_of(index, b) == ["host", "host"]
+    assert _tiers_of(index, a) == ["disk", "disk"]
+    assert chain.disk.demotions == 2 and chain.tier.stats()["evictions"] == {"demoted": 2}
+    digests = page_digests(NS, DEVICE.kv_format, a, P)
+    assert chain.link.span(digests, 0) is None
+    span = chain.disk.span(digests, 0)
+    assert span is not None and all(i >= host_end for i in span.page_ids)
+    targets = chain.device.allocate(2)
+    valid = chain.disk.source().fetch(
+        span.page_ids, span.generations, digests, targets, chain.device
+    )
+    assert valid == [True, True]
+    for i, target in enumerate(targets):
+        assert torch.equal(chain.device.page(target), expected_kv(a, i, DEVICE.page_shape))
+    chain.device.free(targets)
+    # A resync names every tier's pages where they are.
+    fresh = GlobalIndex(page_tokens=P)
+    registered = fresh.register("w", node_id="n0", capacity=host_end + 32)
+    fresh.resync("w", registered.epoch, 1, chain.cache.snapshot(drain_events=True))
+    assert _tiers_of(fresh, a) == ["disk", "disk"] and _tiers_of(fresh, b) == ["host", "host"]
+    fresh.check_integrity()
+    index.check_integrity()
+
+
+def test_a_device_page_host_memory_cannot_take_goes_to_the_disk_that_holds_it(chain):
+    """Host memory is full of pages still on the device (up: never evicted), so it takes
+    no more; a page the device evicts that the disk holds already (here written there
+    directly) is demoted straight to the disk, and no longer up there."""
+    prompt = make_prompt(32, 3)
+    pages = chain.serve(prompt + [1])[:3]
+    digests = page_digests(NS, DEVICE.kv_format, prompt, P)
+    parents = [root_digest(NS, DEVICE.kv_format), *digests[:2]]
+    for depth, page in enumerate(pages, start=1):
+        tokens = pack_tokens(prompt[(depth - 1) * P : depth * P])
+        body = chain.device.page_buffer(page)
+        record = chain.disk.disk.write(
+            body, digests[depth - 1], parents[depth - 1], NS, depth, tokens
+        )
+        assert record is not None
+        chain.disk.disk.set_up(record.digest, True)
+    chain.cache.take_events()
+    assert chain.cache.evict(1) == 1  # the leaf: its two parents go to host memory, up
+    (event,) = chain.cache.take_events()
+    third = chain.disk.disk.lookup(digests[2])
+    assert isinstance(event, PagesDemoted) and event.tier == "disk"
+    assert event.page_ids == (pages[2],)
+    assert event.new_page_ids == (chain.disk.id_base + third.slot,)
+    assert event.generations == (third.generation,)
+    assert chain.tier.stats()["pages"] == 2 and chain.tier.stats()["up"] == 2
+    assert not chain.disk.disk.is_up(digests[2]) and chain.disk.disk.is_up(digests[1])
+    assert chain.disk.demotions == 1
+
+
+def test_drops_clears_and_marks_reach_the_disk_below_host_memory(chain):
+    a, b = make_prompt(33, 2), make_prompt(34, 2)
+    for prompt in (a, b):
+        chain.serve(prompt + [1])
+        chain.cache.evict(100)
+    events = chain.cache.take_events()
+    (to_disk,) = [e for e in events if isinstance(e, PagesDemoted) and e.tier == "disk"]
+    # A notice that another worker stored a disk page since: marked on the disk.
+    assert chain.cache.held_elsewhere(to_disk.new_page_ids[:1], to_disk.generations[:1]) == 1
+    assert chain.disk.disk.stats()["pages"] == 2
+    digests = page_digests(NS, DEVICE.kv_format, a, P)
+    chain.link.dropped(digests[:1], "quarantined")  # a's first page and all below it
+    (removed,) = chain.cache.take_events()
+    assert isinstance(removed, PagesRemoved) and removed.tier == "disk"
+    assert set(removed.page_ids) == set(to_disk.new_page_ids)
+    assert chain.disk.disk.stats()["pages"] == 0 and chain.tier.stats()["pages"] == 2
+    chain.serve(a + [1])
+    chain.cache.evict(100)  # b's pages go down to the disk now
+    assert chain.disk.disk.stats()["pages"] == 2
+    chain.cache.clear()
+    assert chain.disk.disk.stats()["pages"] == 0 and chain.tier.stats()["pages"] == 0

@@ -42,12 +42,16 @@ def _index_view(worker, tokens: list[int]) -> bytes:
 
 
 def _local_view(worker, tokens: list[int]) -> bytes:
-    """What the worker holds of `tokens` itself: device pages, then host records."""
+    """What the worker holds of `tokens` itself: device pages, then its tiers' records."""
     member = worker.member
-    device = member.cache.match_length(tokens, NS) // P
+    held = member.cache.match_length(tokens, NS) // P
+    view = bytes([0]) * held
     digests = page_digests(NS, member.store.kv_format, tokens, P)
-    host = len(member.below.records.chain(digests, device))
-    return bytes([0]) * device + bytes([1]) * host
+    for tier in member.below.chain():
+        found = len(tier.records.chain(digests, held))
+        view += bytes([TIERS.index(tier.name)]) * found
+        held += found
+    return view
 
 
 def test_device_settings_are_checked():
@@ -62,9 +66,9 @@ def test_device_settings_are_checked():
     assert device_of(None) is None and device_of(DEVICE) == torch.device("cpu")
 
 
-def test_a_device_tier_with_a_disk_tier_is_refused(service, tmp_path):
-    disk = DiskSettings(str(tmp_path / "disk"), 16)
-    with pytest.raises(ValueError, match="disk tier under a device tier is not supported"):
+def test_a_write_through_disk_under_a_device_tier_is_refused(service, tmp_path):
+    disk = DiskSettings(str(tmp_path / "disk"), 16, "write_through")
+    with pytest.raises(ValueError, match="write_through disk under a device tier"):
         make_worker(service, "a", disk=disk, device=DEVICE)
 
 
@@ -135,6 +139,52 @@ def test_peers_copy_device_and_host_pages_through_its_page_server(service):
         out = gpu.generate(prompt + [4], 2, return_logits=True)
         assert out.stats.remote_hit_tokens == 10 * P
         _same_logits(out, gpu, prompt + [4])
+        for w in workers:
+            w.check_integrity()
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_a_device_worker_with_a_disk_keeps_three_tiers_and_peers_read_them_all(service, tmp_path):
+    """Device (24 pages) -> host memory (24) -> disk: five prompts of 10 pages push the
+    first ones down to the disk through host memory; the index follows every move; the
+    first prompt comes back from host memory and the disk with the logits of a run without
+    any cache, and peers on its node and another copy prompts from wherever its pages are
+    (through its page server: no CUDA here)."""
+    disk = DiskSettings(str(tmp_path / "disk"), 128)
+    gpu = make_worker(service, "g", "n1", pages=24, disk=disk, device=DEVICE)
+    near = make_worker(service, "b", "n1")
+    far = make_worker(service, "c", "n2")
+    workers = [gpu, near, far]
+    try:
+        infos = [w.info() for w in workers]
+        for w in workers:
+            w.set_peers(infos)
+        for prompt in PROMPTS:
+            gpu.generate(prompt + [1], 2)
+            assert gpu.flush()
+            for other in PROMPTS:
+                assert _index_view(gpu, other) == _local_view(gpu, other)
+        host, lowest = gpu.member.below.chain()
+        assert host.demotions > 0 and lowest.demotions > 0
+        view = _index_view(gpu, PROMPTS[0])
+        assert len(view) == 10 and view[-1] == TIERS.index("disk"), view
+        first = PROMPTS[0] + [7, 7]
+        out = gpu.generate(first, 2, return_logits=True)
+        assert out.stats.local_hit_tokens == 10 * P and out.stats.remote_hit_tokens == 0
+        assert out.stats.disk_hit_tokens > 0
+        _same_logits(out, gpu, first)
+        device, host_figures, disk_figures = gpu.member._report().tiers
+        assert [t.tier for t in (device, host_figures, disk_figures)] == list(TIERS)
+        assert disk_figures.hit_tokens == out.stats.disk_hit_tokens
+        assert gpu.flush()
+        assert _index_view(gpu, first) == _local_view(gpu, first)
+        for peer, prompt in ((near, PROMPTS[1]), (far, PROMPTS[2])):
+            tokens = prompt + [5, 5]
+            out = peer.generate(tokens, 2, return_logits=True)
+            assert out.stats.remote_hit_tokens == 10 * P, out.stats
+            _same_logits(out, peer, tokens)
         for w in workers:
             w.check_integrity()
     finally:

@@ -60,7 +60,7 @@ from workers.cache.eviction import make_eviction_policy
 from workers.cache.evictor import Evictor
 from workers.cache.integrity import check_cache
 from workers.cache.runs import Run, pages_for
-from workers.cache.tiers import LowerTier, evict_down, spilled
+from workers.cache.tiers import LowerTier, Place, evict_down, spilled
 from workers.cache.trie import Trie
 from workers.store.digests import chain_digests
 from workers.store.page_pool import PageAllocator
@@ -547,14 +547,18 @@ class PrefixCache:
         self._allocator.free(removed)
         if moved:
             self._stats.evictions["demoted"] = self._stats.evictions.get("demoted", 0) + len(moved)
-            self._events.append(
-                PagesDemoted(
-                    tuple(page for page, _ in moved),
-                    tuple(place[0] for _, place in moved),
-                    tuple(place[1] for _, place in moved),
-                    self.lower.name,
+            by_tier: dict[str, list[tuple[int, Place]]] = {}
+            for page, place in moved:
+                by_tier.setdefault(place.tier, []).append((page, place))
+            for tier, went in by_tier.items():  # one event per tier they went to
+                self._events.append(
+                    PagesDemoted(
+                        tuple(page for page, _ in went),
+                        tuple(place.page for _, place in went),
+                        tuple(place.generation for _, place in went),
+                        tier,
+                    )
                 )
-            )
         if gone:
             self._stats.evictions[reason] = self._stats.evictions.get(reason, 0) + len(gone)
             self._events.append(PagesRemoved(tuple(gone), reason, self.tier))

@@ -44,6 +44,15 @@ class Spilled(NamedTuple):
     tokens: bytes  # its token ids, packed
 
 
+class Place(NamedTuple):
+    """Where a demoted page is held from now on: its id and generation in `tier` (a tier
+    below may pass a page further down, or find it held lower already)."""
+
+    page: int
+    generation: int
+    tier: str
+
+
 class LowerTier(Protocol):
     """A tier under host memory, as the prefix cache drives it (see the module docstring).
     Every method runs inside the cache's lock and never raises for I/O trouble (a tier that
@@ -60,9 +69,8 @@ class LowerTier(Protocol):
         memory: a tier that keeps whole prefixes writes those it lacks now."""
         ...
 
-    def demote(self, pages: Sequence[Spilled]) -> list[tuple[int, int] | None]:
-        """Per page (leaf first): (its id in this tier, its generation there), or None when
-        the tier did not take it."""
+    def demote(self, pages: Sequence[Spilled]) -> list[Place | None]:
+        """Per page (leaf first): where it is held now, or None when no tier took it."""
         ...
 
     def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:
@@ -84,7 +92,7 @@ class LowerTier(Protocol):
 
 def evict_down(
     evictor: Evictor, lower: LowerTier, n: int, step: int
-) -> tuple[list[int], list[tuple[int, tuple[int, int]]], list[int]]:
+) -> tuple[list[int], list[tuple[int, Place]], list[int]]:
     """Evict up to `n` pages by policy, each offered to `lower` before it is freed (its KV
     intact), the pages above it kept there first.
 

@@ -89,8 +89,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     # Fixed at the first admission: (local hit, copied) tokens of the prompt.
     hits: tuple[int, int] | None = None
-    below_tokens: int = 0  # of the copied, loaded from the worker's own tier below
-    disk_tokens: int = 0  # of those, loaded from its disk tier
+    # Of the copied, those loaded from the worker's own tiers below, by tier, top down.
+    own_tokens: dict[str, int] = field(default_factory=dict)
     batch_shared: int = 0  # prompt tokens a sibling of its batch computed for it
     recomputed: int = 0  # tokens computed again after preemptions
     preemptions: int = 0

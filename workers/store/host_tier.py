@@ -21,7 +21,8 @@ that still copies it gets the very page its digest names, or a stale answer.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -78,10 +79,24 @@ class HostTier(RecordTables):
         # it drops a record) are not read.
         self._index = DiskIndex(host.num_pages, [0] * host.num_pages, ())
         self._staging = staging_buffer(device, min(STAGING_PAGES, host.num_pages))
+        # A tier below (the disk): offered each record evicted for room, with its parents
+        # nearest first (`workers.host_link`); where it took it, or None.
+        self.spill: Callable[[DiskRecord, list[DiskRecord]], Any | None] | None = None
         self._rate = ReadRate()
         self._rate.start_from(*_measure(host, self._staging))
 
     # -- writing -----------------------------------------------------------------------
+
+    def _going_down(self, victim: DiskRecord) -> Any | None:
+        if self.spill is None:
+            return None
+        parents = []
+        record = victim
+        while record.depth > 1:
+            record = self._index.get(record.parent)
+            assert record is not None, "a held record's parent is held"
+            parents.append(record)
+        return self.spill(victim, parents)
 
     def write(
         self,

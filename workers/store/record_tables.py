@@ -14,6 +14,7 @@ import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
+from typing import Any
 
 from cache_service.events import Namespace
 from workers.store.disk_index import DiskIndex
@@ -47,6 +48,7 @@ class RecordTables:
         self._index: DiskIndex
         self._rate: ReadRate
         self._removed: list[tuple[DiskRecord, str]] = []
+        self._moved: list[tuple[DiskRecord, Any]] = []  # (record, where it went below)
         self._counts: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
 
@@ -103,6 +105,13 @@ class RecordTables:
                 return False
             return self._index.mark(record.digest)
 
+    def take_moved(self) -> list[tuple[DiskRecord, Any]]:
+        """Records the tier evicted for room that a tier below took since the last call,
+        each with where it is held now (`_going_down`'s answer), for the owner's events."""
+        with self._lock:
+            moved, self._moved = self._moved, []
+        return moved
+
     def take_removed(self) -> list[tuple[DiskRecord, str]]:
         """Records the tier removed on its own since the last call (evicted to make room,
         found corrupt on read), each with its reason, for the owner's events."""
@@ -114,6 +123,11 @@ class RecordTables:
 
     def _accepting_now(self) -> bool:
         return True
+
+    def _going_down(self, victim: DiskRecord) -> Any | None:
+        """Offer a record evicted for room to a tier below, its page still intact; where
+        it is held there, or None: it is gone. Holds _lock."""
+        return None
 
     def _take_slot(
         self,
@@ -141,9 +155,14 @@ class RecordTables:
             return None
         if self._index.is_marked(victim.digest):
             self._counts["marked_evicted"] += 1
+        place = self._going_down(victim)
         self._index.drop(victim)
-        self._evictions["evicted"] += 1
-        self._removed.append((victim, "evicted"))
+        if place is None:
+            self._evictions["evicted"] += 1
+            self._removed.append((victim, "evicted"))
+        else:
+            self._evictions["demoted"] += 1
+            self._moved.append((victim, place))
         return victim.slot
 
     def _drop_subtrees(self, digests: Iterable[bytes], reason: str) -> list[DiskRecord]:

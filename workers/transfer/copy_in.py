@@ -111,6 +111,7 @@ class SharedMemorySource:
         self._make_server = fallback
         self._server: PageSource | None = None  # its page server, made when first needed
         self.fallback = False  # its device pages could not be opened: all by page server
+        self._described: tuple[int, bool] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -119,14 +120,26 @@ class SharedMemorySource:
 
     def id_base(self) -> int | None:
         """The holder's page count: its first disk page id (None: it cannot be attached)."""
+        described = self._describe()
+        return None if described is None else described[0]
+
+    def pages_in_segment(self) -> bool | None:
+        """Whether the holder keeps its pages in shared memory (None: it cannot be
+        attached); False: on a device, its lower tiers after its host memory's pages."""
+        described = self._describe()
+        return None if described is None else described[1]
+
+    def _describe(self) -> tuple[int, bool] | None:
+        """(its page count, whether its pages are in its segment), read once from the
+        segment's header (a fresh source is made for a new incarnation)."""
         with self._lock:
-            try:
-                if self._store is None:
-                    self._store = SharedPageStore.attach(self.shm_name)
-            except (PageStoreError, FileNotFoundError, ValueError) as exc:
-                log.warning("cannot attach %s: %s", self.worker_id, exc)
-                return None
-            return self._store.num_pages
+            if self._described is None:
+                try:
+                    with SharedPageStore.attach(self.shm_name) as store:
+                        self._described = (store.num_pages, store.pages_in_segment)
+                except (PageStoreError, FileNotFoundError, ValueError) as exc:
+                    log.warning("cannot attach %s: %s", self.worker_id, exc)
+            return self._described
 
     def fetch(self, pages, gens, digests, targets, store) -> list[bool]:
         n = len(pages)
@@ -292,11 +305,14 @@ class Sources:
 
     def get_disk(self, peer: PeerInfo) -> PageSource:
         """The source of `peer`'s disk records: its data file on the same node, else its
-        page server (the source of its host pages)."""
+        page server (the source of its host pages). A holder with a device tier serves its
+        disk records, whose ids follow its host memory's, through its page server too."""
         if peer.node_id != self.node_id or self.disks is None or not peer.shm_name:
             return self.get(peer)
         shm = self.get(peer)
         assert isinstance(shm, SharedMemorySource)
+        if shm.pages_in_segment() is False:
+            return shm
         with self._lock:
             held = self._disks.get(peer.worker_id)
             if held is not None and held[0] == peer:

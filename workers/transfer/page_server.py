@@ -125,7 +125,7 @@ class PageServer:
             raise ValueError(f"request_timeout_s must be positive, got {request_timeout_s}")
         self.store = store
         self.disk = disk
-        self._id_end = store.num_pages if disk is None else disk.id_base + disk.capacity
+        self._id_end = store.num_pages if disk is None else disk.id_end
         self.auth = auth
         self.request_timeout_s = request_timeout_s
         page_bytes = store.layout.page_bytes

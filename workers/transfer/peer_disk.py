@@ -66,11 +66,12 @@ class PeerDisks(NamedTuple):
 
 
 class ServedDisk(Protocol):
-    """A worker's disk tier as its page server serves it to peers: ids from `id_base` on
-    (`id_base + slot`, as the index knows them), `capacity` slots."""
+    """A worker's tiers of records as its page server serves them to peers (its disk, or
+    host memory under a device and the disk below that): ids `id_base` .. `id_end` - 1,
+    as the index knows them."""
 
     id_base: int
-    capacity: int
+    id_end: int
 
     def read_page(self, page: int, generation: int, out: bytearray) -> bytes | None:
         """Read disk page `page` into `out` if its slot still holds the record of
