@@ -9,6 +9,8 @@ plain memory for staging (`workers.tier_setup`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -52,6 +54,27 @@ def _local_view(worker, tokens: list[int]) -> bytes:
         view += bytes([TIERS.index(tier.name)]) * found
         held += found
     return view
+
+
+@contextlib.contextmanager
+def _trio(service, **gpu):
+    """A worker "g" with a device tier (and `gpu`'s settings), a plain one on its node and
+    one on another node, peers of each other; checked and shut down afterwards."""
+    workers = [
+        make_worker(service, "g", "n1", device=DEVICE, **gpu),
+        make_worker(service, "b", "n1"),
+        make_worker(service, "c", "n2"),
+    ]
+    try:
+        infos = [w.info() for w in workers]
+        for w in workers:
+            w.set_peers(infos)
+        yield workers
+        for w in workers:
+            w.check_integrity()
+    finally:
+        for w in workers:
+            w.shutdown()
 
 
 def test_device_settings_are_checked():
@@ -109,14 +132,7 @@ def test_evicted_device_pages_come_back_from_host_memory_and_the_index_follows(s
 
 
 def test_peers_copy_device_and_host_pages_through_its_page_server(service):
-    gpu = make_worker(service, "g", "n1", pages=64, device=DEVICE)
-    near = make_worker(service, "b", "n1")
-    far = make_worker(service, "c", "n2")
-    workers = [gpu, near, far]
-    try:
-        infos = [w.info() for w in workers]
-        for w in workers:
-            w.set_peers(infos)
+    with _trio(service, pages=64) as (gpu, near, far):
         for prompt in PROMPTS[:3]:  # the first prompt's last pages go down to host memory
             gpu.generate(prompt + [1], 2)
         assert gpu.flush()
@@ -139,11 +155,6 @@ def test_peers_copy_device_and_host_pages_through_its_page_server(service):
         out = gpu.generate(prompt + [4], 2, return_logits=True)
         assert out.stats.remote_hit_tokens == 10 * P
         _same_logits(out, gpu, prompt + [4])
-        for w in workers:
-            w.check_integrity()
-    finally:
-        for w in workers:
-            w.shutdown()
 
 
 def test_a_device_worker_with_a_disk_keeps_three_tiers_and_peers_read_them_all(service, tmp_path):
@@ -153,14 +164,7 @@ def test_a_device_worker_with_a_disk_keeps_three_tiers_and_peers_read_them_all(s
     any cache, and peers on its node and another copy prompts from wherever its pages are
     (through its page server: no CUDA here)."""
     disk = DiskSettings(str(tmp_path / "disk"), 128)
-    gpu = make_worker(service, "g", "n1", pages=24, disk=disk, device=DEVICE)
-    near = make_worker(service, "b", "n1")
-    far = make_worker(service, "c", "n2")
-    workers = [gpu, near, far]
-    try:
-        infos = [w.info() for w in workers]
-        for w in workers:
-            w.set_peers(infos)
+    with _trio(service, pages=24, disk=disk) as (gpu, near, far):
         for prompt in PROMPTS:
             gpu.generate(prompt + [1], 2)
             assert gpu.flush()
@@ -185,8 +189,3 @@ def test_a_device_worker_with_a_disk_keeps_three_tiers_and_peers_read_them_all(s
             out = peer.generate(tokens, 2, return_logits=True)
             assert out.stats.remote_hit_tokens == 10 * P, out.stats
             _same_logits(out, peer, tokens)
-        for w in workers:
-            w.check_integrity()
-    finally:
-        for w in workers:
-            w.shutdown()
