@@ -87,11 +87,15 @@ class HostLink(TierLink):
             return places
         for i, (page, place) in enumerate(zip(pages, places, strict=True)):
             record = None if place is not None else disk.records.lookup(page.digest)
-            if record is not None:  # host memory had no room; the disk holds it already
+            if record is None:
+                continue
+            # Host memory had no room for it, or sent it on within this call: the disk
+            # holds it (a demotion counted once, when it went down there).
+            if disk.records.is_up(page.digest):
                 disk.records.set_up(page.digest, False)
-                places[i] = Place(disk.id_base + record.slot, record.generation, disk.name)
                 disk.demotions += 1
                 disk.counters.demoted(1)
+            places[i] = Place(disk.id_base + record.slot, record.generation, disk.name)
         return places
 
     def held_elsewhere(self, pages: Sequence[int], generations: Sequence[int]) -> int:

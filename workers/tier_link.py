@@ -163,7 +163,7 @@ class TierLink:
     def demote(self, pages: Sequence[Spilled]) -> list[Place | None]:
         taken: dict[bytes, DiskRecord | None] = {}
         writes = []
-        for page in sorted(pages, key=lambda s: s.depth):  # parents before children
+        for page in parents_first(pages):
             taken[page.digest] = record = self.records.lookup(page.digest)
             if record is None:
                 writes.append(page)
@@ -308,3 +308,24 @@ class TierLink:
         if records and self._emit is not None:
             ids = tuple(self.id_base + r.slot for r in sorted(records, key=lambda r: -r.depth))
             self._emit(PagesRemoved(ids, reason, self.name))
+
+
+def parents_first(pages: Sequence[Spilled]) -> list[Spilled]:
+    """`pages` with every parent before its children and each subtree together (a
+    depth-first walk): a tier that must make room for a batch then evicts another chain's
+    leaves, never the parent of a page still to come."""
+    by_digest = {page.digest: page for page in pages}
+    children: dict[bytes, list[Spilled]] = {}
+    roots = []
+    for page in pages:
+        if page.parent in by_digest and by_digest[page.parent].depth == page.depth - 1:
+            children.setdefault(page.parent, []).append(page)
+        else:
+            roots.append(page)
+    order: list[Spilled] = []
+    stack = list(reversed(roots))
+    while stack:
+        page = stack.pop()
+        order.append(page)
+        stack.extend(reversed(children.get(page.digest, ())))
+    return order

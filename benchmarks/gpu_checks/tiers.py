@@ -10,9 +10,14 @@ prefix cache whose pages are on `device`, and a host tier below it (`HostTier`,
 - the prompts come back: `span` names their host records and `source` loads them into
   fresh device pages, validated and byte-exact; a host page rewritten behind its record
   is refused, and every page after it;
-- rates: demotion (each page written down validated, one by one as eviction offers them)
-  and load-back (in bulk), against plain device-to-host and host-to-device copies of the
-  same bytes, as ratios.
+- rates: demotion (a batch of evicted pages written down validated, in bulk copies) and
+  load-back (in bulk), against plain device-to-host and host-to-device copies of the same
+  bytes, as ratios;
+- the chain device -> host -> disk (a disk tier in a temporary directory under host
+  memory of half the pages): evicting everything sends host memory's oldest records on
+  to the disk (PagesDemoted to tier "disk"), and every prompt loads back byte-exact from
+  host memory and the disk in turn, the disk's records landing in device pages through a
+  host row.
 
 It raises AssertionError on any correctness failure and returns a dict of figures. With
 device="cpu" a store in private memory stands in for the device.
@@ -20,17 +25,22 @@ device="cpu" a store in private memory stands in for the device.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.gpu_checks.store import checksums, rate, smollm2_layout, synchronizer
 from cache_service.events import Namespace, PagesDemoted, PagesStored
+from workers.cache.disk_settings import mesh_key
 from workers.cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from workers.disk_link import DiskLink
 from workers.host_link import HostLink
 from workers.store.digests import page_digests
+from workers.store.disk_tier import DiskTier
 from workers.store.host_tier import HostTier
 from workers.store.page_store import SharedPageStore
 
@@ -81,7 +91,55 @@ def run(device: str, quick: bool) -> dict[str, Any]:
         link.check_integrity()
         top.check_integrity()
         host.check_integrity()
+    figures.update(check_chain(device, prompts, pages_each))
     return figures
+
+
+def check_chain(device: str, prompts: int, pages_each: int) -> dict[str, Any]:
+    """Device -> host -> disk: evict everything, load every prompt back from both."""
+    n = prompts * pages_each
+    layout = smollm2_layout(n + pages_each + 1)
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        SharedPageStore.create(layout, device=device, pages_in_segment=False) as top,
+        SharedPageStore.create(replace(layout, num_pages=n // 2)) as host,
+    ):
+        records = DiskTier.open(Path(directory) / "disk", host.layout, n, mesh_key(b"k" * 32))
+        disk = DiskLink(records, host, "write_back", "check/disk", id_base=top.num_pages + n // 2)
+        link = HostLink(HostTier(top, host), "check/host", disk)
+        cache = PrefixCache(top, PrefixCacheConfig(page_tokens=16), lower=link, tier="device")
+        tokens = [[(p * 7907 + i * 37) % 49000 + 1 for i in range(pages_each * 16)]
+                  for p in range(prompts)]  # fmt: skip
+        sums = {}
+        for prompt in tokens:
+            by_page = serve(cache, top, prompt)
+            digests = page_digests(NS, top.layout.kv_format, prompt, 16)
+            sums.update(zip(digests, (by_page[p] for p in sorted(by_page)), strict=True))
+        assert cache.evict(n) == n  # one batch, more than host memory holds
+        tiers = {e.tier for e in cache.take_events() if isinstance(e, PagesDemoted)}
+        assert tiers == {"host", "disk"}, tiers
+        on_disk = records.stats()["pages"]
+        targets = top.allocate(pages_each)
+        assert targets is not None
+        for prompt in tokens:
+            digests = page_digests(NS, top.layout.kv_format, prompt, 16)
+            reach = 0
+            for tier in link.chain():
+                span = tier.span(digests, reach)
+                if span is None:
+                    continue
+                got = tier.source().fetch(span.page_ids[reach:], span.generations[reach:],
+                                          digests[reach:len(span.page_ids)],
+                                          targets[reach:len(span.page_ids)], top)  # fmt: skip
+                assert all(got), got
+                reach = len(span.page_ids)
+            assert reach == pages_each, f"prompt back to page {reach} of {pages_each}"
+            assert checksums(top.read_pages(targets)) == [sums[d] for d in digests]
+        top.free(targets)
+        cache.check_integrity()
+        link.check_integrity()
+        link.close()
+    return {"chain_pages_on_disk": on_disk, "chain_prompts_back": prompts}
 
 
 def serve(cache: PrefixCache, store: SharedPageStore, prompt: list[int]) -> dict[int, int]:

@@ -370,3 +370,48 @@ def test_drops_clears_and_marks_reach_the_disk_below_host_memory(chain):
     assert chain.disk.disk.stats()["pages"] == 2
     chain.cache.clear()
     assert chain.disk.disk.stats()["pages"] == 0 and chain.tier.stats()["pages"] == 0
+
+
+def test_one_eviction_larger_than_host_memory_keeps_every_page_below(chain):
+    """Two 2-page prompts leave the device in one eviction; host memory holds 2 pages.
+    The batch goes down a chain at a time (parents first): host memory holds what it
+    wrote so far, then makes room by sending the first chain on to the disk, so every
+    page is still held, the index hears each page's move once, and both prompts load
+    back whole."""
+    a, b = make_prompt(35, 2), make_prompt(36, 2)
+    index = GlobalIndex(page_tokens=P)
+    epoch = index.register("w", node_id="n0", capacity=DEVICE.num_pages + 2 + 32).epoch
+    for prompt in (a, b):
+        chain.serve(prompt + [1])
+    _apply(index, epoch, 1, chain.cache.take_events())
+    assert chain.cache.evict(100) == 4
+    events = chain.cache.take_events()
+    _apply(index, epoch, 2, events)
+    assert _tiers_of(index, a) == ["disk", "disk"] and _tiers_of(index, b) == ["host", "host"]
+    assert index.stats()["events"]["unknown_pages"] == 0  # each move heard once, in order
+    index.check_integrity()
+    assert not [e for e in events if isinstance(e, PagesRemoved)], events
+    demoted = [e for e in events if isinstance(e, PagesDemoted)]
+    # From the device: b's pages to host memory, a's (there for a moment) to the disk.
+    assert sorted((e.tier, len(e.page_ids)) for e in demoted) == [("disk", 2), ("host", 2)]
+    assert all(i < DEVICE.num_pages for e in demoted for i in e.page_ids)
+    assert chain.disk.demotions == 2
+    assert chain.tier.stats()["pages"] == 2 and chain.disk.disk.stats()["pages"] == 2
+    for prompt in (a, b):
+        digests = page_digests(NS, DEVICE.kv_format, prompt, P)
+        reach, targets = 0, chain.device.allocate(2)
+        for tier in chain.link.chain():
+            span = tier.span(digests, reach)
+            if span is None:
+                continue
+            ids, gens = span.page_ids[reach:], span.generations[reach:]
+            end = len(span.page_ids)
+            got = tier.source().fetch(
+                ids, gens, digests[reach:end], targets[reach:end], chain.device
+            )
+            assert all(got)
+            reach = end
+        assert reach == 2
+        for i, target in enumerate(targets):
+            assert torch.equal(chain.device.page(target), expected_kv(prompt, i, DEVICE.page_shape))
+        chain.device.free(targets)

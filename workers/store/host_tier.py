@@ -128,7 +128,9 @@ class HostTier(RecordTables):
     def write_many(self, pages: Sequence[PageDown]) -> list[DiskRecord | None]:
         """`write` for several device pages, parents before children, in bulk copies (one
         per staging buffer's worth). A page may hang under one written earlier in the same
-        call; one whose parent is not taken is not taken either.
+        call; one whose parent is not taken is not taken either. When the tier has no room
+        left for the next page, what is planned so far is written and held first, so the
+        tier can make room among everything it holds, as page-by-page writes would.
 
         Args:
             pages: each (device page, digest, parent digest, namespace, depth, tokens),
@@ -140,7 +142,7 @@ class HostTier(RecordTables):
         out: list[DiskRecord | None] = [None] * len(pages)
         with self._lock:
             planned: dict[bytes, int] = {}  # digest -> its index in `pages`, slot taken
-            slots: dict[int, int] = {}
+            slots: dict[int, int] = {}  # index in `pages` -> its slot, not written yet
             # Held parents of pages taken: not evicted to make room for the pages after.
             keep: set[bytes] = set()
             for i, (_, digest, parent, namespace, depth, _) in enumerate(pages):
@@ -154,40 +156,57 @@ class HostTier(RecordTables):
                 under = planned.get(parent)
                 after = under is not None and pages[under][4] == depth - 1
                 slot = self._take_slot(parent, namespace, depth, after, keep)
+                if slot is None and slots:  # no room: hold what is planned, then try again
+                    self._write_planned(pages, slots, out)
+                    planned.clear()
+                    slot = self._take_slot(parent, namespace, depth, False, keep)
+                    after = False
                 if slot is None:
                     self._counts["writes_refused"] += 1
                     continue
                 planned[digest], slots[i] = i, slot
                 if not after:
                     keep.add(parent)
-            order = list(slots)
-            valid: list[bool] = []
-            step = len(self._staging)
-            for at in range(0, len(order), step):
-                part = order[at : at + step]
-                devices = [pages[i][0] for i in part]
-                valid += write_back(
-                    self.device,
-                    devices,
-                    self.device.generations(devices),
-                    self.host,
-                    [slots[i] for i in part],
-                    [pages[i][1] for i in part],
-                    self._staging,
-                ).valid
-            generations = self.host.generations([slots[i] for i in order])
-            for i, ok, generation in zip(order, valid, generations, strict=True):
-                _, digest, parent, namespace, depth, tokens = pages[i]
-                if not ok or (depth > 1 and self._index.get(parent) is None):
-                    self._index.release(slots[i])  # unwritten, or its parent was not
-                    self._counts["write_failures"] += 1
-                    continue
-                record = DiskRecord(slots[i], generation, digest, parent, namespace, depth, tokens)
-                self._index.hold(record)
-                self._counts["writes"] += 1
-                self._counts["bytes_written"] += self.layout.page_bytes
-                out[i] = record
+            self._write_planned(pages, slots, out)
+            # A record written and sent on down within this call was never announced
+            # here: its page goes from the tier above straight to the one below.
+            fresh = {record.digest for record in out if record is not None}
+            self._moved = [(r, place) for r, place in self._moved if r.digest not in fresh]
         return out
+
+    def _write_planned(
+        self, pages: Sequence[PageDown], slots: dict[int, int], out: list[DiskRecord | None]
+    ) -> None:
+        """Copy the planned pages (`slots`: index in `pages` -> slot) down in bulk and hold
+        those that landed whole under a held parent; `slots` is emptied. Holds _lock."""
+        order = list(slots)
+        valid: list[bool] = []
+        step = len(self._staging)
+        for at in range(0, len(order), step):
+            part = order[at : at + step]
+            devices = [pages[i][0] for i in part]
+            valid += write_back(
+                self.device,
+                devices,
+                self.device.generations(devices),
+                self.host,
+                [slots[i] for i in part],
+                [pages[i][1] for i in part],
+                self._staging,
+            ).valid
+        generations = self.host.generations([slots[i] for i in order])
+        for i, ok, generation in zip(order, valid, generations, strict=True):
+            _, digest, parent, namespace, depth, tokens = pages[i]
+            if not ok or (depth > 1 and self._index.get(parent) is None):
+                self._index.release(slots[i])  # unwritten, or its parent was not
+                self._counts["write_failures"] += 1
+                continue
+            record = DiskRecord(slots[i], generation, digest, parent, namespace, depth, tokens)
+            self._index.hold(record)
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += self.layout.page_bytes
+            out[i] = record
+        slots.clear()
 
     # -- reading -----------------------------------------------------------------------
 
