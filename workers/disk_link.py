@@ -20,12 +20,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from workers.cache.disk_settings import DiskSettings, default_directory, mesh_key
 from workers.cache.tiers import Spilled
 from workers.store.disk_tier import DiskRecord, DiskTier, DiskTierError
 from workers.store.layout import StoreLayout
 from workers.store.page_store import SharedPageStore
-from workers.store.staging import row_bytes, staging_buffer
+from workers.store.staging import reused_rows, row_bytes
 from workers.tier_link import TierLink
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class DiskLink(TierLink):
         self.disk = disk
         self.host = host
         self.keep = keep
+        self.row: torch.Tensor | None = None  # where its loads into a device store land
         for reason, records in disk.dropped.items():  # found when it was opened
             self.counters.dropped(reason, records)
 
@@ -149,7 +152,9 @@ class DiskSource:
         disk, base = self.link.disk, self.link.id_base
         # Into the page itself, or (a device store's, under host memory) a host row
         # written up once the record verified.
-        row = None if store.pages_in_segment else staging_buffer(store, 1)
+        row = None
+        if not store.pages_in_segment:
+            row = self.link.row = reused_rows(self.link.row, store, 1)
         valid = []
         for page, gen, digest, target in zip(pages, gens, digests, targets, strict=True):
             record = disk.lookup(digest)

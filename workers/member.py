@@ -2,9 +2,8 @@
 
 A member holds KV pages and shares them. It is, in the order it is built:
 
-    store       SharedPageStore      its pages, in a named shared-memory segment (or on its
-                                     device, with host shared memory below: `tier_setup`)
-    below       TierLink             the tier under the store: disk, or host memory
+    store       SharedPageStore      its pages: in a named shared-memory segment, or on its
+    below       TierLink             device over host memory; the tiers below (`tier_setup`)
     cache       PrefixCache          which pages hold which prompts (the local trie)
     page_server PageServer           peers on other nodes read its pages here
     client      ServiceClient        matches and registry lookups, on the request path
@@ -61,7 +60,7 @@ from workers.service.client import (
     ServiceError,
     ServiceUnavailable,
 )
-from workers.service.figures import TierCounters, WorkerFigures
+from workers.service.figures import WorkerFigures
 from workers.service.publisher import EventPublisher
 from workers.store.digests import EMPTY_DIGEST, page_digests
 from workers.store.layout import StoreLayout
@@ -167,13 +166,9 @@ class MeshMember:
         )
         self.store, self.below = self.tiers.store, self.tiers.below
         self.disk = self.below if isinstance(self.below, DiskLink) else None
-        on_device = self.tiers.host is not None
         try:
-            self.cache = PrefixCache(
-                self.store, cache, lower=self.below, tier="device" if on_device else "host"
-            )
+            self.cache = PrefixCache(self.store, cache, self.below, self.tiers.store_tier)
             self.figures = WorkerFigures()  # prompt tokens, copies, TTFT: in every heartbeat
-            self._device = TierCounters()  # its device tier's, when its store is one
             self.auth = membership.transfer_auth()
             self.page_server = PageServer(
                 self.store,
@@ -205,16 +200,13 @@ class MeshMember:
             self.worker_id,
             self.node_id,
             address=self.page_server.address,
-            # A device store's segment too: same-node peers open its pages through the
-            # CUDA IPC handle left there, or fall back to its page server.
-            shm_name=self.store.name,
+            shm_name=self.store.name,  # a device store's too: its IPC handle is there
             page_key=None if keys is None else keys.public,
             load=active,
             report=self._report,
             on_new_service=self.client.reconnect,
             # Every tier's pages are its own in the index: all its tiers together.
-            capacity=self.store.num_pages
-            + (0 if self.below is None else sum(t.capacity for t in self.below.chain())),
+            capacity=self.tiers.capacity,
         )
         self._load = load
         self.peers = Peers(self.worker_id, lambda w: look_up_peer(self.client, w), PEER_TTL_S)
@@ -332,7 +324,6 @@ class MeshMember:
         spans, owner = held.spans, held.owners
         links = {w: self.links.link(w, peer.node_id != self.node_id) for w, peer in peers.items()}
         own_disk = None if self.disk is None else self.disk.link()
-        below = self.below
         for key in held.disk:  # a peer's disk: a disk read (behind its link, across nodes)
             prior = disk_prior(links[owner[key]], own_disk)
             links[key] = self.links.link(key, prior.remote, prior)
@@ -343,18 +334,13 @@ class MeshMember:
         sources: dict[str, Any] = {}
         own: dict[str, TierLink] = {}  # its own tiers below that continue the prompt
         starts = dict(held.starts)
-        if below is not None:
+        if self.below is not None:
             expected = page_digests(namespace, self.store.kv_format, tokens[: end * p], p)
-            reach = first
-            for tier in below.chain():  # each continues where the one above stops
-                span = tier.span(expected, reach)
-                if span is None:
-                    continue
+            for span, tier, start in self.tiers.continuing(expected, first):
                 spans = [span, *spans]
                 links[span.worker_id] = tier.link()
                 sources[span.worker_id] = tier.source()
-                own[span.worker_id], starts[span.worker_id] = tier, reach
-                reach = len(span.page_ids)
+                own[span.worker_id], starts[span.worker_id] = tier, start
         page_bytes = self.store.layout.page_bytes
         tasks = plan_copy(spans, first, end, links, page_bytes, starts)
         if not tasks:
@@ -562,11 +548,7 @@ class MeshMember:
             "spot_check_failures": checks["failures"],
         }
         stats = self.cache.stats()
-        tiers = [] if self.below is None else [tier.figures() for tier in self.below.chain()]
-        if self.tiers.host is not None:  # its page store is the device tier: said first
-            held = stats["cached_pages"] + stats["in_use_pages"]
-            tiers.insert(0, self._device.figures("device", held, stats["total_pages"]))
-        return self.figures.report(stats, load, tiers)
+        return self.figures.report(stats, load, self.tiers.figures(stats))
 
     def stats(self) -> dict[str, Any]:
         """The member's own figures (a worker's stats add its serving's)."""
@@ -604,10 +586,7 @@ class MeshMember:
         self.links.check_integrity()
         self.provenance.check(self.store.layout.num_pages)
         self.spot_checks.check()
-        if self.below is not None:
-            self.below.check_integrity()
-        if self.tiers.host is not None:
-            self.tiers.host.check_integrity()
+        self.tiers.check_integrity()
 
     def close(self) -> None:
         """Say BYE, stop publishing and serving pages, close every source and client, and

@@ -14,15 +14,18 @@ its page server, on its node too (it names no shared-memory segment of pages to 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from cache_service.messages import HolderSpan, TierFigures
 from workers.cache.device_settings import DeviceSettings
 from workers.cache.disk_settings import DiskSettings
 from workers.disk_link import open_disk
 from workers.host_link import HostLink
+from workers.service.figures import TierCounters
 from workers.store.host_tier import HostTier
 from workers.store.layout import StoreLayout
 from workers.store.page_store import SharedPageStore
@@ -38,6 +41,51 @@ class OwnTiers(NamedTuple):
     store: SharedPageStore  # the prefix cache's pages: device memory, or host shared memory
     host: SharedPageStore | None  # host shared memory under a device store (None: none)
     below: TierLink | None  # the tier of records under `store` (None: none)
+    # What went through a device store (its figures in heartbeats); unused on the CPU.
+    device_counters: TierCounters
+
+    @property
+    def store_tier(self) -> str:
+        """The tier of the store's own pages, in events and reports."""
+        return "host" if self.host is None else "device"
+
+    def chain(self) -> list[TierLink]:
+        """The tiers of records under the store, top down."""
+        return [] if self.below is None else self.below.chain()
+
+    @property
+    def capacity(self) -> int:
+        """Pages in all of them together: what the member may hold in the index."""
+        return self.store.num_pages + sum(tier.capacity for tier in self.chain())
+
+    def continuing(
+        self, digests: Sequence[bytes], first: int
+    ) -> list[tuple[HolderSpan, TierLink, int]]:
+        """The tiers below that continue a prompt from page `first` (`digests`: its page
+        digests), each where the one above stops: (its span, the tier, its first page)."""
+        found, reach = [], first
+        for tier in self.chain():
+            span = tier.span(digests, reach)
+            if span is not None:
+                found.append((span, tier, reach))
+                reach = len(span.page_ids)
+        return found
+
+    def figures(self, cache_stats: Mapping[str, Any]) -> list[TierFigures]:
+        """Each tier's figures for a heartbeat, top down: a device store's own first (the
+        prefix cache's page counts, `cache_stats`)."""
+        figures = [tier.figures() for tier in self.chain()]
+        if self.host is not None:
+            held = cache_stats["cached_pages"] + cache_stats["in_use_pages"]
+            total = cache_stats["total_pages"]
+            figures.insert(0, self.device_counters.figures("device", held, total))
+        return figures
+
+    def check_integrity(self) -> None:
+        if self.below is not None:
+            self.below.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
 
 
 def device_of(settings: DeviceSettings | None) -> torch.device | None:
@@ -90,7 +138,7 @@ def open_tiers(
         except BaseException:
             store.close()
             raise
-        return OwnTiers(store, None, below)
+        return OwnTiers(store, None, below, TierCounters())
     if disk is not None and disk.policy != "write_back":
         raise ValueError(
             f"a {disk.policy} disk under a device tier: pages reach the disk from host "
@@ -125,7 +173,7 @@ def open_tiers(
         layout.num_pages,
         "" if lowest is None else f" and {lowest.capacity} on disk",
     )
-    return OwnTiers(store, host, below)
+    return OwnTiers(store, host, below, TierCounters())
 
 
 def close_tiers(tiers: OwnTiers) -> None:

@@ -396,9 +396,8 @@ class Worker:
             copied = self.member.copy_in(
                 allocation, tokens, seq.namespace, spans, end, self._decide, seq.checks, tally
             )
-            if self.member.below is not None:
-                chain = self.member.below.chain()
-                seq.own_tokens = {tier.name: tally[tier.name] * p for tier in chain}
+            # The member counts its own tiers' pages in prompt order: top down.
+            seq.own_tokens = {name: pages * p for name, pages in tally.items()}
         except Exception:
             # Whatever went wrong, the request computes what it could not copy: a copy
             # never fails a request, nor the serving loop that runs it. Pages half copied
@@ -417,11 +416,10 @@ class Worker:
         local, remote, _ = self._hits(seq)
         figures = self.member.figures
         figures.admitted(seq.namespace.salt, local, remote, len(seq.prompt) - local - remote)
-        if self.member.below is not None:
-            hits = self._own_hits(seq)
-            for tier in self.member.below.chain():
-                if hits.get(tier.name):
-                    tier.hit(hits[tier.name])
+        hits = seq.own_hits()
+        for tier in self.member.tiers.chain():
+            if hits.get(tier.name):
+                tier.hit(hits[tier.name])
         if remote:
             figures.copy_took(seq.copy_s)
 
@@ -431,20 +429,9 @@ class Worker:
         Pages loaded back from its own tier below (disk, or host memory under a device)
         are its own hits, not copies."""
         local, copied = seq.hits
-        own = Worker._own_hits(seq)
+        own = seq.own_hits()
         loaded = sum(own.values())
         return local + loaded, copied - loaded, own.get("disk", 0)
-
-    @staticmethod
-    def _own_hits(seq: Seq) -> dict[str, int]:
-        """Of the copied prompt tokens, those each own tier below gave, top down (the last
-        page's tokens may have been cut: the prompt's last token is always computed)."""
-        _, left = seq.hits
-        hits = {}
-        for name, tokens in seq.own_tokens.items():
-            hits[name] = min(tokens, left)
-            left -= hits[name]
-        return hits
 
     def _finished(self, seq: Seq) -> None:
         if seq.first_token_at is not None and seq.error is None:

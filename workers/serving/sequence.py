@@ -149,6 +149,17 @@ class Sequence:
             start = ends[name]
         return spent
 
+    def own_hits(self) -> dict[str, int]:
+        """Of its copied prompt tokens, those each of the worker's own tiers below gave,
+        top down (the last page's tokens may have been cut: the prompt's last token is
+        always computed)."""
+        left = self.hits[1] if self.hits is not None else 0
+        hits = {}
+        for name, tokens in self.own_tokens.items():
+            hits[name] = min(tokens, left)
+            left -= hits[name]
+        return hits
+
     @property
     def tokens(self) -> list[int]:
         """The tokens whose KV the sequence computes: the prompt, then every sampled

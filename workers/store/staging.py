@@ -54,6 +54,20 @@ def staging_buffer(store: SharedPageStore, num_pages: int) -> torch.Tensor:
     return torch.empty(shape, dtype=store.layout.torch_dtype)
 
 
+def reused_rows(rows: torch.Tensor | None, store: SharedPageStore, n: int) -> torch.Tensor:
+    """`rows` if it holds at least `n` pages of `store`'s layout, else a new
+    `staging_buffer`: a reader keeps its rows and passes them back each time, since
+    pinning memory costs more than a copy through it."""
+    if (
+        rows is None
+        or len(rows) < n
+        or rows.dtype != store.layout.torch_dtype
+        or tuple(rows.shape[1:]) != store.layout.page_shape
+    ):
+        return staging_buffer(store, n)
+    return rows
+
+
 def row_bytes(rows: torch.Tensor, i: int) -> memoryview:
     """Row `i` of a staging buffer as a flat writable byte view (what a record or a frame
     is read into)."""

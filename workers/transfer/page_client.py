@@ -23,7 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from workers.store.digests import DIGEST_BYTES, EMPTY_DIGEST
 from workers.store.page_store import SharedPageStore
-from workers.store.staging import row_bytes, staging_buffer
+from workers.store.staging import reused_rows, row_bytes
 from workers.transfer.page_wire import (
     MAX_PAGES_PER_REQUEST,
     MAX_REQUEST_PAGE_BYTES,
@@ -147,7 +147,9 @@ class PageClient:
         if header["page_bytes"] != page_bytes:
             raise TransferError(f"peer pages are {header['page_bytes']} bytes, ours {page_bytes}")
         arrived = np.zeros(n, dtype=bool)
-        landing = None if dst.pages_in_segment else self._landing_for(dst, n)
+        landing = None
+        if not dst.pages_in_segment:
+            landing = self._landing = reused_rows(self._landing, dst, n)
         for i, page in enumerate(dst_pages):
             index = self._recv_reply(socket, request_id, deadline)
             if isinstance(index, dict):
@@ -170,20 +172,6 @@ class PageClient:
             keep = [i for i, ok in enumerate(valid) if ok]
             dst.write_pages([dst_pages[i] for i in keep], landing[torch.tensor(keep)])
         return valid
-
-    def _landing_for(self, dst: SharedPageStore, n: int) -> torch.Tensor:
-        """The host staging rows for `n` pages of `dst`'s layout, made once and reused
-        (pinning memory costs more than a copy through it)."""
-        landing = self._landing
-        shape = (n, *dst.layout.page_shape)
-        if (
-            landing is None
-            or len(landing) < n
-            or landing.dtype != dst.layout.torch_dtype
-            or tuple(landing.shape[1:]) != shape[1:]
-        ):
-            landing = self._landing = staging_buffer(dst, n)
-        return landing
 
     @staticmethod
     def _verdict(trailer: dict, arrived: np.ndarray, digests) -> list[bool]:

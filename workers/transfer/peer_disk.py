@@ -40,12 +40,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+import torch
+
 from cache_service.messages import HolderSpan
 from workers.store.disk_file import DATA_NAME, SlotReader
 from workers.store.disk_rate import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 from workers.store.disk_records import DiskTierError, RecordCodec
 from workers.store.layout import StoreLayout
-from workers.store.staging import row_bytes, staging_buffer
+from workers.store.staging import reused_rows, row_bytes
 from workers.transfer.costs import Link
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,7 @@ class PeerDiskSource:
         self._codec = RecordCodec(disks.layout, disks.key)
         self._id_base = id_base
         self._reader: SlotReader | None = None
+        self._row: torch.Tensor | None = None  # a device store's landing row, kept
         self._inode: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
@@ -187,7 +190,9 @@ class PeerDiskSource:
         valid: list[bool] = []
         # Into our page itself, or (a store outside host memory: a device's) a host row
         # written up once the record verified.
-        row = None if store.pages_in_segment else staging_buffer(store, 1)
+        row = None
+        if not store.pages_in_segment:
+            row = self._row = reused_rows(self._row, store, 1)
         with self._lock:
             reader, base = self._open(), self._id_base()
             for page, gen, digest, target in zip(pages, gens, digests, targets, strict=True):
